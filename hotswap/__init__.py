@@ -1,0 +1,15 @@
+"""hotswap: an LLM rollout engine for asynchronous RL."""
+
+from hotswap.engine.llm import LLM
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "RequestOutputKind",
+    "SamplingParams",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from hotswap.entrypoints.cli import main
+
+sys.exit(main())

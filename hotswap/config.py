@@ -1,0 +1,203 @@
+"""Engine configuration: frozen dataclasses, resolved once from user arguments."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+# bf16 is the CPU default: with AMX the matmuls of a continuous batch run ~3x faster than
+# fp32 and the KV cache holds twice the tokens; at batch 1 both are within ~20% (README).
+DEFAULT_DTYPE = "bfloat16"
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype: unsupported {dtype}; choose float32 or bfloat16")
+        return dtype
+    if dtype == "auto":
+        return _DTYPES[DEFAULT_DTYPE]
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: unsupported {dtype!r}; choose float32, bfloat16 or auto")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Path
+    hf_config: dict[str, Any] = field(repr=False, hash=False, compare=False)
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str = "auto"
+    seed: int = 0
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{self.path}/config.json: 'architectures' is missing or empty")
+        return archs[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 8192
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    batch_invariant: bool = False
+    device: str = "cpu"
+    tokenizer: Path | None = None
+
+
+@dataclass
+class EngineArgs:
+    """The flat, user-facing knobs (Python kwargs and CLI flags share these names)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    batch_invariant: bool = False
+    device: str = "cpu"
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        model_dir = resolve_model_path(self.model)
+        hf_config = read_hf_config(model_dir)
+        model_cfg = ModelConfig(
+            path=model_dir,
+            hf_config=hf_config,
+            dtype=parse_dtype(self.dtype),
+            max_model_len=self._resolve_max_model_len(hf_config),
+            load_format=_check_choice("load_format", self.load_format, ("auto", "dummy")),
+            seed=self.seed,
+        )
+        return EngineConfig(
+            model=model_cfg,
+            cache=self._cache_config(),
+            scheduler=self._scheduler_config(model_cfg.max_model_len),
+            batch_invariant=self.batch_invariant,
+            device=self.device,
+            tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
+        )
+
+    def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:
+        limit = int(hf_config.get("max_position_embeddings") or 2048)
+        if self.max_model_len is None:
+            return limit
+        _check_positive("max_model_len", self.max_model_len)
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        return self.max_model_len
+
+    def _cache_config(self) -> CacheConfig:
+        _check_positive("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _check_positive("num_kv_blocks", self.num_kv_blocks)
+        _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        _check_positive("max_num_batched_tokens", budget)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens: {budget} is smaller than max_model_len "
+                f"({max_model_len}); without chunked prefill a prompt must fit in one step"
+            )
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len,
+        )
+
+
+def resolve_model_path(model: str | None) -> Path:
+    """None or the default model's name selects the built-in model (converted once)."""
+    from hotswap.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+    if model is None or model in (DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}"):
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model: {model!r} is not a directory (hotswap loads local Hugging Face-format "
+            f"checkpoints; it never downloads)"
+        )
+    return path
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"model: {config_path} not found")
+    with config_path.open() as f:
+        return json.load(f)
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name}: must be one of {choices}, got {value!r}")
+    return value

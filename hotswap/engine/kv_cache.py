@@ -1,0 +1,208 @@
+"""Paged KV-cache bookkeeping: a reference-counted block pool with prefix caching.
+
+Blocks hold `block_size` tokens. A full block whose tokens are known gets a chained hash
+(parent hash + its tokens), so equal prefixes map to equal hashes and can share blocks.
+Unreferenced blocks sit in an LRU free queue; a cached one stays reusable until allocation
+evicts it. Allocation is check-then-act: callers ask `can_allocate` first, and `allocate`
+never half-succeeds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from hotswap.engine.request import Request
+
+_ROOT_HASH = b"hotswap-kv-root"
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+    digest = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        # Insertion order = eviction order: least recently freed first.
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_queue)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        if not self.can_allocate(num_blocks):
+            raise RuntimeError(
+                f"KV cache: asked for {num_blocks} blocks, {len(self.free_queue)} free"
+            )
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            self._evict(block_id)
+            self.ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference to cached blocks found by lookup (maybe currently free)."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        # Callers pass blocks tail first, so a request's last blocks are evicted first.
+        for block_id in block_ids:
+            if self.ref_counts[block_id] <= 0:
+                raise RuntimeError(f"KV cache: double free of block {block_id}")
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_queue[block_id] = None
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        if not self.enable_caching or self.block_hash[block_id] is not None:
+            return
+        if block_hash in self.cached:  # an identical block exists; keep the first one
+            return
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash; blocks in use stay allocated but are no longer shareable."""
+        dropped = len(self.cached)
+        for block_id in self.cached.values():
+            self.block_hash[block_id] = None
+        self.cached.clear()
+        return dropped
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self.block_hash[block_id]
+        if block_hash is not None:
+            del self.cached[block_hash]
+            self.block_hash[block_id] = None
+
+
+class KVCacheManager:
+    """Maps requests onto blocks of the pool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.num_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_hits = 0  # of which served from it
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request's known tokens, in whole blocks. At least
+        one token is always left to compute so the step yields logits to sample from."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queries += num_tokens
+        self.num_hits += num_hit_tokens
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        return self.pool.can_allocate(
+            self._num_new_blocks(request, num_new_tokens, computed_blocks)
+        )
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> None:
+        """Give the request room for `num_new_tokens` more computed tokens (after the
+        `computed_blocks` prefix hit, if any) and register its newly full blocks."""
+        if not self.can_allocate(request, num_new_tokens, computed_blocks):
+            raise RuntimeError(
+                f"KV cache: no room for {num_new_tokens} tokens of {request.request_id!r}"
+            )
+        num_new = self._num_fresh_blocks(request, num_new_tokens, computed_blocks)
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+            request.block_ids.extend(computed_blocks)
+        request.block_ids.extend(self.pool.allocate(num_new))
+        num_tokens_after = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        self._cache_full_blocks(request, num_tokens_after + num_new_tokens)
+
+    def free(self, request: Request) -> None:
+        self.pool.free(request.block_ids[::-1])
+        request.block_ids = []
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hits / self.num_queries if self.num_queries else 0.0
+
+    def _num_new_blocks(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]
+    ) -> int:
+        """Blocks the free queue must give up: fresh ones, plus cached hits that are
+        currently unreferenced (touching them takes them out of the free queue too)."""
+        num_revived = sum(1 for b in computed_blocks if self.pool.ref_counts[b] == 0)
+        return self._num_fresh_blocks(request, num_new_tokens, computed_blocks) + num_revived
+
+    def _num_fresh_blocks(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int]
+    ) -> int:
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens)
+        return max(needed - len(request.block_ids) - len(computed_blocks), 0)
+
+    def _update_block_hashes(self, request: Request) -> None:
+        size = self.block_size
+        hashes = request.block_hashes
+        while (len(hashes) + 1) * size <= request.num_tokens:
+            start = len(hashes) * size
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, request.all_token_ids[start : start + size]))
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Blocks whose tokens will all be computed after this step can be shared now: the
+        runner writes every layer's new KV before any attention reads it."""
+        if not self.enable_caching:
+            return
+        self._update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for index in range(num_full):
+            self.pool.cache_block(request.block_ids[index], request.block_hashes[index])

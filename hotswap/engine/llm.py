@@ -1,0 +1,147 @@
+"""`LLM`: the blocking, offline front door (batch in, finished outputs back)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from hotswap.config import EngineArgs
+from hotswap.engine.core import EngineCore
+from hotswap.engine.messages import EngineCoreRequest
+from hotswap.engine.output_processor import OutputProcessor
+from hotswap.outputs import RequestOutput
+from hotswap.sampling_params import RequestOutputKind, SamplingParams
+from hotswap.tokenizer import Tokenizer
+
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self, model: str | None = None, *, progress: bool = True, **engine_args: Any
+    ) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM: unknown engine argument(s) {sorted(unknown)}")
+        self.config = EngineArgs(model=model, **engine_args).create_engine_config()
+        self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
+        self.engine = EngineCore(self.config, progress=progress)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        requests = [self._encode(p) for p in prompt_list]
+        for (_, ids), params in zip(requests, params_list):  # refuse bad input before adding any
+            self.engine.validate_request(EngineCoreRequest("validate", ids, params))
+        order = []
+        for (text, ids), params in zip(requests, params_list):
+            order.append(self._add(text, ids, params))
+        return self._run(order, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            ids = self.tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                **(chat_template_kwargs or {}),
+            )
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.reset_prefix_cache()
+
+    # -- internals ------------------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._encode(prompt["prompt"])
+            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt: unsupported type {type(prompt).__name__}")
+
+    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._ids))
+        params = _with_kind(params, RequestOutputKind.FINAL_ONLY)
+        for child_id, child_params in self.processor.add_request(request_id, text, ids, params):
+            self.engine.add_request(
+                EngineCoreRequest(
+                    child_id, ids, child_params, eos_token_id=self.tokenizer.eos_token_id
+                )
+            )
+        return request_id
+
+    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(
+            total=len(order), desc="Generating", unit="req", disable=not use_tqdm or len(order) < 2
+        )
+        while self.engine.has_unfinished_requests():
+            outputs, to_abort = self.processor.process(self.engine.step())
+            if to_abort:
+                self.engine.abort_requests(to_abort)
+            for out in outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[request_id] for request_id in order]
+
+
+def _with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, output_kind=kind)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(
+            f"sampling_params: got {len(params)} for {count} prompts; pass one or one per prompt"
+        )
+    return params

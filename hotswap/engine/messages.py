@@ -1,0 +1,39 @@
+"""Wire messages between the front-end (tokenizer, streams) and the engine core.
+
+They are small msgspec structs, separate from the scheduler's `Request` state, so the same
+messages can cross a process boundary unchanged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from hotswap.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float | None = None
+
+
+class TokenLogprobsMsg(msgspec.Struct, array_like=True):
+    token_logprob: float
+    token_rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobsMsg] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

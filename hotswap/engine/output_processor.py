@@ -1,0 +1,181 @@
+"""Front-end side of generation: detokenizes engine outputs, applies stop strings, folds
+the n choices of a request together and shapes `RequestOutput`s per output kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hotswap.engine.messages import EngineCoreOutput, TokenLogprobsMsg
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.sampling_params import RequestOutputKind, SamplingParams
+from hotswap.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # tokens already handed out (delta mode)
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    choices: list[ChoiceState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.child_to_choice: dict[str, tuple[RequestState, ChoiceState]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a request; returns the (child id, params) pairs the engine must run."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, [])
+        children = []
+        for index in range(params.n):
+            child_params = params.for_child(index) if params.n > 1 else params
+            choice = ChoiceState(index, child_params, self._detokenizer(prompt_token_ids, params))
+            if params.logprobs is not None:
+                choice.logprobs, choice.cumulative_logprob = [], 0.0
+            state.choices.append(choice)
+            child_id = child_request_id(request_id, index, params.n)
+            self.child_to_choice[child_id] = (state, choice)
+            children.append((child_id, child_params))
+        self.requests[request_id] = state
+        return children
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the request outputs to deliver and the child ids the engine must abort
+        (a stop string ended them here, after the engine produced the token)."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for out in outputs:
+            entry = self.child_to_choice.get(out.request_id)
+            if entry is None:
+                continue  # already finished here (e.g. stop string) and aborted
+            state, choice = entry
+            if self._apply(state, choice, out):
+                to_abort.append(out.request_id)
+            if choice.finish_reason is not None:
+                del self.child_to_choice[out.request_id]
+            touched[state.request_id] = state
+        results = [r for s in touched.values() if (r := self._make_output(s)) is not None]
+        for state in touched.values():
+            if state.finished:
+                del self.requests[state.request_id]
+        return results, to_abort
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its child ids still running in the engine."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        children = [
+            child_request_id(request_id, c.index, len(state.choices)) for c in state.choices
+        ]
+        for child in children:
+            self.child_to_choice.pop(child, None)
+        return children
+
+    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
+
+    def _apply(self, state: RequestState, choice: ChoiceState, out: EngineCoreOutput) -> bool:
+        """Fold one engine output into a choice; True if a stop string just ended it."""
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        choice.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs and choice.logprobs is not None:
+            for token, lp in zip(out.new_token_ids, out.new_logprobs):
+                choice.logprobs.append(self._logprob_dict(token, lp))
+                choice.cumulative_logprob += lp.token_logprob
+        check_stop = len(choice.token_ids) >= choice.params.min_tokens
+        stop_str = choice.detokenizer.update(out.new_token_ids, check_stop=check_stop)
+        if stop_str is not None and out.finish_reason is None:
+            choice.finish_reason, choice.stop_reason = "stop", stop_str
+            return True
+        if stop_str is not None:
+            choice.finish_reason, choice.stop_reason = "stop", stop_str
+        elif out.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _logprob_dict(self, token: int, lp: TokenLogprobsMsg) -> dict[int, Logprob]:
+        entries = {
+            tid: Logprob(value, rank + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
+            for rank, (tid, value) in enumerate(zip(lp.top_ids, lp.top_logprobs))
+        }
+        if token not in entries:
+            entries[token] = Logprob(
+                lp.token_logprob,
+                lp.token_rank,
+                self.tokenizer.decode([token], skip_special_tokens=False),
+            )
+        return entries
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = [self._completion(c, delta) for c in state.choices]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    @staticmethod
+    def _completion(choice: ChoiceState, delta: bool) -> CompletionOutput:
+        finished = choice.finish_reason is not None
+        if delta:
+            start, choice.sent_tokens = choice.sent_tokens, len(choice.token_ids)
+            text = choice.detokenizer.get_delta(finished)
+        else:
+            start, text = 0, choice.detokenizer.output_text
+        return CompletionOutput(
+            index=choice.index,
+            text=text,
+            token_ids=choice.token_ids[start:],
+            logprobs=None if choice.logprobs is None else choice.logprobs[start:],
+            cumulative_logprob=choice.cumulative_logprob,
+            finish_reason=choice.finish_reason,
+            stop_reason=choice.stop_reason,
+        )

@@ -1,0 +1,100 @@
+"""The engine-side request: owns its tokens, its KV blocks and its progress."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from hotswap.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # evicted by recompute; back in the waiting queue with its output kept
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Tokens are tracked as computed vs known rather than as prefill/decode phases:
+    each step computes KV for `all_token_ids[num_computed_tokens:]` (or a chunk of it), and
+    a token is sampled once every known token has been computed."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of tokens
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.generator = _make_generator(sampling_params.seed)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Forget computed KV (preemption, cache drop); the tokens themselves are kept."""
+        self.num_computed_tokens = 0
+        self.block_ids = []
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens})"
+        )
+
+
+def _make_generator(seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator

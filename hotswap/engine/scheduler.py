@@ -1,0 +1,221 @@
+"""Continuous batching: each step picks which requests compute how many tokens.
+
+Invariants: every request in `running` holds KV blocks for its computed tokens; every
+request in `waiting` holds none. Running requests are served first (oldest first); when
+blocks run out the newest running request is preempted by recompute. The pause state
+gates what may be scheduled (DESIGN §3).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from hotswap.config import CacheConfig, SchedulerConfig
+from hotswap.engine.kv_cache import KVCacheManager
+from hotswap.engine.request import Request, RequestStatus
+
+
+class PauseState(enum.IntEnum):
+    UNPAUSED = 0
+    PAUSED_NEW = 1  # no new request is admitted; running ones go on
+    PAUSED_ALL = 2  # nothing is scheduled
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens when scheduled: tokens [start, start+num_tokens) run
+    num_tokens: int
+    # True when this chunk reaches the last known token, so its logits are sampled.
+    # Fixed at scheduling time: the request grows once the sampled token is appended.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = config
+        self.kv = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.pause_state = PauseState.UNPAUSED
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        if request.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt: {request.num_tokens} tokens leave no room to generate within "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def set_pause_state(self, state: PauseState) -> None:
+        self.pause_state = state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.pause_state == PauseState.PAUSED_ALL:
+            return out
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.can_allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    return budget
+            self.kv.allocate(request, num_new)
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not self._may_admit(request):
+                skipped.append(self.waiting.popleft())
+                continue
+            num_new = self._admit(request, budget)
+            if num_new == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _may_admit(self, request: Request) -> bool:
+        if self.pause_state == PauseState.UNPAUSED:
+            return True
+        # Under PAUSED_NEW a preempted request was already running: it must be able to
+        # finish, or a pause in `wait` mode would never complete.
+        return request.status == RequestStatus.PREEMPTED
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Allocate blocks for the request's first chunk; 0 if it cannot start now."""
+        computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - num_cached
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return 0
+        num_new = min(num_new, budget)
+        if not self.kv.can_allocate(request, num_new, computed_blocks):
+            return 0
+        self.kv.allocate(request, num_new, computed_blocks)
+        request.num_computed_tokens = num_cached
+        self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        return num_new
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.reset_for_recompute()
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- after the model ran ------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that stop.
+        Returns the requests that got a new token or finished."""
+        changed = []
+        for item in out.scheduled:
+            request = item.request
+            if request.is_finished:  # finished while the step ran (e.g. aborted)
+                continue
+            request.num_computed_tokens = item.start + item.num_tokens
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a partial prefill chunk: nothing sampled yet
+            request.append_output_token(token)
+            self._check_stop(request, token)
+            changed.append(request)
+        return changed
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                self._finish_running(request, RequestStatus.FINISHED_STOPPED)
+                return
+            if token in request.stop_token_ids:
+                request.stop_reason = token
+                self._finish_running(request, RequestStatus.FINISHED_STOPPED)
+                return
+        if (
+            params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+        ) or request.num_tokens >= self.config.max_model_len:
+            self._finish_running(request, RequestStatus.FINISHED_LENGTH)
+
+    def _finish_running(self, request: Request, status: RequestStatus) -> None:
+        self.running.remove(request)
+        self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.kv.free(request)
+        request.status = status
+        del self.requests[request.request_id]

@@ -1,0 +1,214 @@
+"""Paged attention over a mixed batch of variable-length sequences.
+
+Every step, each layer first writes the new tokens' K/V into the paged cache, then every
+query attends to its sequence's keys read back from the cache. That one order makes prefix
+hits, chunked prefill and decode the same case: a sequence's context is whatever its block
+table holds. Backends share the metadata; a CUDA backend can replace the torch one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SequenceSlice:
+    row_start: int  # first row of this sequence's queries in the flattened batch
+    num_queries: int
+    context_len: int  # tokens with KV after this step (cached + new)
+    block_table: torch.Tensor  # [num_blocks] long
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    sequences: list[SequenceSlice]
+    block_size: int
+    # Single-query sequences (decode) batched together, padded to the longest context.
+    decode_rows: torch.Tensor | None = None  # [B] rows in the flattened batch
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks]
+    decode_context_lens: torch.Tensor | None = None  # [B]
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [tokens, heads, head_dim]
+        key: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [blocks, block_size, kv_heads, dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+def build_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    slot_mapping: torch.Tensor,
+    block_size: int,
+) -> AttentionMetadata:
+    sequences, decode = [], []
+    row = 0
+    for num_queries, context_len, blocks in zip(query_lens, context_lens, block_tables):
+        table = torch.tensor(blocks, dtype=torch.long)
+        seq = SequenceSlice(row, num_queries, context_len, table)
+        (decode if num_queries == 1 else sequences).append(seq)
+        row += num_queries
+    meta = AttentionMetadata(slot_mapping, sequences, block_size)
+    if decode:
+        _add_decode_batch(meta, decode)
+    return meta
+
+
+def _add_decode_batch(meta: AttentionMetadata, decode: list[SequenceSlice]) -> None:
+    max_blocks = max(len(s.block_table) for s in decode)
+    tables = torch.zeros(len(decode), max_blocks, dtype=torch.long)
+    for i, seq in enumerate(decode):
+        tables[i, : len(seq.block_table)] = seq.block_table
+    meta.decode_rows = torch.tensor([s.row_start for s in decode], dtype=torch.long)
+    meta.decode_block_tables = tables
+    meta.decode_context_lens = torch.tensor([s.context_len for s in decode], dtype=torch.long)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> None:
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def gather_context(cache: torch.Tensor, seq: SequenceSlice) -> torch.Tensor:
+    """[context_len, kv_heads, dim] keys or values of one sequence."""
+    return cache[seq.block_table].flatten(0, 1)[: seq.context_len]
+
+
+class TorchPagedAttention:
+    """Fast path: decode sequences in one padded SDPA call, the rest one call each."""
+
+    def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
+        write_kv(key, value, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(query, kv_cache, meta, scale)
+        for seq in meta.sequences:
+            rows = slice(seq.row_start, seq.row_start + seq.num_queries)
+            out[rows] = self._sequence(query[rows], kv_cache, seq, scale)
+        return out
+
+    @staticmethod
+    def _decode(query, kv_cache, meta, scale) -> torch.Tensor:  # noqa: ANN001
+        k_cache, v_cache = kv_cache
+        tables = meta.decode_block_tables
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, dim]
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        positions = torch.arange(keys.shape[2])
+        mask = (positions[None, :] < meta.decode_context_lens[:, None])[:, None, None, :]
+        q = query[meta.decode_rows].unsqueeze(2)  # [B, heads, 1, dim]
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        return out.squeeze(2)
+
+    @staticmethod
+    def _sequence(query, kv_cache, seq, scale) -> torch.Tensor:  # noqa: ANN001
+        keys = gather_context(kv_cache[0], seq).transpose(0, 1).unsqueeze(0)
+        values = gather_context(kv_cache[1], seq).transpose(0, 1).unsqueeze(0)
+        q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, queries, dim]
+        num_cached = seq.context_len - seq.num_queries
+        if num_cached == 0:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            query_pos = torch.arange(num_cached, seq.context_len)
+            mask = torch.arange(seq.context_len)[None, :] <= query_pos[:, None]
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        return out[0].transpose(0, 1)
+
+
+# Batch-invariant attention: queries in tiles aligned to absolute positions, keys in
+# fixed-size chunks aligned to position 0, combined by an online softmax in chunk order.
+# Every matmul then has one fixed shape and a token always sits in the same tile row, so
+# its result cannot depend on batch composition, chunking or prefix-cache hits. Masked
+# scores are replaced (not added to) and contribute exact zeros.
+QUERY_TILE = 16
+KEY_CHUNK = 256
+
+
+class BatchInvariantAttention:
+    def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
+        write_kv(key, value, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(query)
+        for seq in _all_sequences(meta):
+            rows = slice(seq.row_start, seq.row_start + seq.num_queries)
+            out[rows] = self._sequence(query[rows], kv_cache, seq, scale)
+        return out
+
+    def _sequence(self, query, kv_cache, seq, scale) -> torch.Tensor:  # noqa: ANN001
+        heads = query.shape[1]
+        keys = _padded_heads(gather_context(kv_cache[0], seq), heads)  # [heads, Lp, dim]
+        values = _padded_heads(gather_context(kv_cache[1], seq), heads)
+        first_pos = seq.context_len - seq.num_queries
+        lead = first_pos % QUERY_TILE
+        total = lead + seq.num_queries
+        q = query.new_zeros(total + (-total) % QUERY_TILE, *query.shape[1:])
+        q[lead:total] = query
+        positions = torch.arange(q.shape[0]) + (first_pos - lead)
+        positions = positions.clamp(max=seq.context_len - 1)  # padding rows: any valid row
+        tiles = [
+            _attend_tile(q[s : s + QUERY_TILE], positions[s : s + QUERY_TILE], keys, values, scale)
+            for s in range(0, q.shape[0], QUERY_TILE)
+        ]
+        return torch.cat(tiles)[lead:total]
+
+
+def _all_sequences(meta: AttentionMetadata) -> list[SequenceSlice]:
+    seqs = list(meta.sequences)
+    if meta.decode_rows is not None:
+        for row, table, ctx in zip(
+            meta.decode_rows.tolist(), meta.decode_block_tables, meta.decode_context_lens.tolist()
+        ):
+            seqs.append(SequenceSlice(row, 1, ctx, table))
+    return seqs
+
+
+def _padded_heads(context: torch.Tensor, heads: int) -> torch.Tensor:
+    length = context.shape[0]
+    padded = torch.cat([context, context.new_zeros((-length) % KEY_CHUNK, *context.shape[1:])])
+    padded = padded.transpose(0, 1)  # [kv_heads, Lp, dim]
+    return padded.repeat_interleave(heads // padded.shape[0], dim=0)
+
+
+def _attend_tile(q, positions, keys, values, scale) -> torch.Tensor:  # noqa: ANN001
+    q = q.transpose(0, 1).float()  # [heads, TILE, dim]
+    num_chunks = int(positions.max()) // KEY_CHUNK + 1
+    row_max = torch.full((q.shape[0], QUERY_TILE, 1), float("-inf"))
+    row_sum = torch.zeros(q.shape[0], QUERY_TILE, 1)
+    acc = torch.zeros(q.shape[0], QUERY_TILE, q.shape[2])
+    for c in range(num_chunks):
+        k = keys[:, c * KEY_CHUNK : (c + 1) * KEY_CHUNK].float()
+        v = values[:, c * KEY_CHUNK : (c + 1) * KEY_CHUNK].float()
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale
+        key_pos = torch.arange(c * KEY_CHUNK, (c + 1) * KEY_CHUNK)
+        scores = scores.masked_fill(
+            key_pos[None, None, :] > positions[None, :, None], float("-inf")
+        )
+        new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
+        correction = torch.exp(row_max - new_max)
+        probs = torch.exp(scores - new_max)
+        row_sum = row_sum * correction + probs.sum(-1, keepdim=True)
+        acc = acc * correction + torch.matmul(probs, v)
+        row_max = new_max
+    return (acc / row_sum).transpose(0, 1).to(keys.dtype)

@@ -1,0 +1,94 @@
+"""Builds a model from a Hugging Face-format directory and fills its weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from hotswap.config import ModelConfig
+from hotswap.model.attention import AttentionBackend
+from hotswap.model.models.registry import get_model_class
+
+
+def build_model(
+    config: ModelConfig, backend: AttentionBackend, batch_invariant: bool, progress: bool = True
+) -> nn.Module:
+    model_cls = get_model_class(config.architecture)
+    model = model_cls(config.hf_config, config.dtype, backend, batch_invariant)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_checkpoint(model, config.path, progress)
+    return model.eval()
+
+
+def load_checkpoint(model: nn.Module, model_dir: Path, progress: bool = True) -> None:
+    files = safetensors_files(model_dir)
+    total = sum(_num_tensors(f) for f in files)
+    bar = tqdm(
+        total=total, desc="Loading weights", unit="tensor", disable=not progress, leave=False
+    )
+    with torch.no_grad():
+        loaded = model.load_weights(_counting(iter_safetensors(files), bar))
+    bar.close()
+    missing = sorted(model.expected_checkpoint_keys() - loaded)
+    if missing:
+        shown = ", ".join(name.replace("#", " shard ") for name in missing[:5])
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"weights: {model_dir} is missing weights for {shown}{more}")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with index.open() as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [model_dir / name for name in names]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"weights: no *.safetensors files in {model_dir}")
+    for path in files:
+        if not path.is_file():
+            raise FileNotFoundError(f"weights: {path} (listed in the index) does not exist")
+    return files
+
+
+def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of sane scale (unit norms, zero biases) for load tests and demos."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                values = torch.randn(param.shape, generator=generator) * 0.02
+                param.copy_(values)
+
+
+def _num_tensors(path: Path) -> int:
+    with safe_open(str(path), framework="pt") as f:
+        return len(f.keys())
+
+
+def _counting(
+    items: Iterator[tuple[str, torch.Tensor]], bar: tqdm
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for item in items:
+        yield item
+        bar.update(1)

@@ -1,0 +1,289 @@
+"""The Llama decoder family (Llama, Qwen2, Qwen3 differ only in biases and q/k norms).
+
+Checkpoint q/k/v projections load into one fused `qkv_proj`, gate/up into `gate_up_proj`;
+`load_weights` maps Hugging Face names onto these, from any iterable of tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotswap.model.attention import AttentionBackend, AttentionMetadata
+from hotswap.model.layers import (
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_parameters,
+    silu_and_mul,
+    tiled_linear,
+)
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_positions: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: dict[str, Any]
+
+    @classmethod
+    def from_hf(
+        cls,
+        cfg: dict[str, Any],
+        *,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+        qk_norm: bool = False,
+    ) -> DecoderSpec:
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            attention_bias = bool(cfg.get("attention_bias", False))
+            spec = cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                intermediate_size=int(cfg["intermediate_size"]),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_positions=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
+                o_bias=attention_bias if o_bias is None else o_bias,
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                qk_norm=qk_norm,
+                rope=rope_parameters(cfg),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json: required key {e.args[0]!r} is missing") from None
+        if spec.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads ({spec.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({spec.num_kv_heads})"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported")
+        return spec
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, spec: DecoderSpec, dtype: torch.dtype, backend: AttentionBackend, invariant: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+        )
+        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(
+            spec.hidden_size, q_size + 2 * kv_size, spec.qkv_bias, dtype, invariant
+        )
+        self.o_proj = Linear(q_size, spec.hidden_size, spec.o_bias, dtype, invariant)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
+        self.qk_norm = spec.qk_norm
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
+        self.backend = backend
+        self.scale = spec.head_dim**-0.5
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        if self.kv_cache is None:
+            raise RuntimeError("attention: the KV cache was not bound to the model")
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec, dtype: torch.dtype, invariant: bool) -> None:
+        super().__init__()
+        size = spec.intermediate_size
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * size, spec.mlp_bias, dtype, invariant)
+        self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, invariant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, spec: DecoderSpec, dtype: torch.dtype, backend: AttentionBackend, invariant: bool
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.self_attn = Attention(spec, dtype, backend, invariant)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.mlp = MLP(spec, dtype, invariant)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self, spec: DecoderSpec, dtype: torch.dtype, backend: AttentionBackend, invariant: bool
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Parameter(
+            torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), False
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, dtype, backend, invariant) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed_tokens)
+        for layer in self.layers:
+            x = layer(positions, x, meta)
+        return self.norm(x)
+
+
+# checkpoint projection name -> (fused parameter name, shard index)
+_FUSED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias: bool | None = None  # None: follow config.attention_bias
+    o_bias: bool | None = None
+    qk_norm = False
+
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        batch_invariant: bool = False,
+    ) -> None:
+        super().__init__()
+        spec = DecoderSpec.from_hf(
+            hf_config, qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm
+        )
+        self.spec = spec
+        self.batch_invariant = batch_invariant
+        self.model = DecoderModel(spec, dtype, backend, batch_invariant)
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), False
+            )
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens if self.spec.tie_word_embeddings else self.lm_head
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return tiled_linear(hidden, self.lm_head_weight, None).float()
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            layer.self_attn.kv_cache = cache
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the model's parameters. Returns the names of the
+        model's own parameters that were (fully or partly) written."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target = self._map_name(name)
+            if target is None:
+                continue
+            param_name, shard = target
+            if param_name not in params:
+                raise ValueError(f"weights: unknown parameter {name!r} (maps to {param_name!r})")
+            dest = self._shard_view(params[param_name], param_name, shard)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                    f"model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.add(f"{param_name}#{shard}" if shard is not None else param_name)
+        return loaded
+
+    def expected_checkpoint_keys(self) -> set[str]:
+        """What load_weights must have seen for the model to be complete (fused params
+        count once per shard)."""
+        keys = set()
+        for name, _ in self.named_parameters():
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                keys.update(f"{name}#{i}" for i in range(3))
+            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+                keys.update(f"{name}#{i}" for i in range(2))
+            else:
+                keys.add(name)
+        return keys
+
+    def _map_name(self, name: str) -> tuple[str, int | None] | None:
+        if name.endswith(_IGNORED_SUFFIXES):
+            return None
+        if name == "lm_head.weight":
+            return None if self.spec.tie_word_embeddings else ("lm_head", None)
+        if name == "model.embed_tokens.weight":
+            return "model.embed_tokens", None
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+            fused, shard = _FUSED_SHARDS[parts[-2]]
+            return ".".join([*parts[:-2], fused, parts[-1]]), shard
+        return name, None
+
+    def _shard_view(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
+        if shard is None:
+            return param.data
+        if "qkv_proj" in name:
+            sizes = self.model.layers[0].self_attn.split_sizes
+        else:
+            sizes = [self.spec.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return param.data.narrow(0, start, sizes[shard])

@@ -1,0 +1,23 @@
+"""Model classes keyed by the Hugging Face architecture name in config.json."""
+
+from torch import nn
+
+from hotswap.model.models.llama import LlamaForCausalLM
+from hotswap.model.models.qwen2 import Qwen2ForCausalLM
+from hotswap.model.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture: {architecture!r} is not supported; supported: "
+            f"{', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None

@@ -1,0 +1,115 @@
+"""Runs one scheduled step on the model: inputs from the scheduler's plan, then sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hotswap.config import EngineConfig
+from hotswap.engine.scheduler import SchedulerOutput
+from hotswap.model.attention import (
+    AttentionBackend,
+    BatchInvariantAttention,
+    TorchPagedAttention,
+    build_metadata,
+)
+from hotswap.model.loader import build_model
+from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    logits_rows: torch.Tensor
+    meta: object
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.block_size = config.cache.block_size
+        self.backend: AttentionBackend = (
+            BatchInvariantAttention() if config.batch_invariant else TorchPagedAttention()
+        )
+        self.model = build_model(config.model, self.backend, config.batch_invariant, progress)
+        self.num_blocks = self._num_blocks()
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.model.bind_kv_cache(self.kv_caches)
+        self.sampler = Sampler(config.model.seed)
+
+    # -- KV cache -------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        spec = self.model.spec
+        elem = torch.tensor([], dtype=self.config.model.dtype).element_size()
+        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        if self.config.cache.num_blocks is not None:
+            return self.config.cache.num_blocks
+        num = self.config.cache.kv_cache_memory_bytes // self.kv_bytes_per_block()
+        if num < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes: {self.config.cache.kv_cache_memory_bytes} bytes hold "
+                f"no block ({self.kv_bytes_per_block()} bytes each)"
+            )
+        return num
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        spec = self.model.spec
+        shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        dtype = self.config.model.dtype
+        return [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(spec.num_layers)
+        ]
+
+    # -- the step -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        inputs = self._prepare(plan)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        sampling = [s.request for s in plan.scheduled if s.samples]
+        if not sampling:
+            return RunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        result = self.sampler(logits, SamplingBatch.from_requests(sampling))
+        out = RunnerOutput()
+        for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
+            out.sampled[request.request_id] = token
+            if logprobs is not None:
+                out.logprobs[request.request_id] = logprobs
+        return out
+
+    def _prepare(self, plan: SchedulerOutput) -> StepInputs:
+        size = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_rows: list[int] = []
+        query_lens, context_lens, tables = [], [], []
+        for item in plan.scheduled:
+            request, start, end = item.request, item.start, item.start + item.num_tokens
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = request.block_ids
+            slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+            if item.samples:
+                logits_rows.append(len(input_ids) - 1)
+            query_lens.append(item.num_tokens)
+            context_lens.append(end)
+            tables.append(blocks[: -(-end // size)])
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            meta=build_metadata(query_lens, context_lens, tables, slot_mapping, size),
+        )

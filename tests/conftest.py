@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
+    """Builds (once per session) a tiny random model directory per (arch, seed)."""
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = (arch, seed, tuple(sorted(overrides.items())))
+        if key not in cache:
+            name = f"{arch}-{seed}-{len(cache)}"
+            cache[key] = write_tiny_model(tmp_path_factory.mktemp(name), arch, seed, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")

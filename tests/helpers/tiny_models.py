@@ -1,0 +1,106 @@
+"""Tiny random Hugging Face-format models (config.json + safetensors + tokenizer.json),
+written with transformers so the same directory is the parity reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Reinforcement learning trains a policy "
+    "while it keeps generating rollouts. Paged attention stores keys and values in blocks. "
+    "Numbers 0123456789 and symbols !?.,;:()[]{} appear too. "
+    "Pause, swap the weights, resume: no request is lost. 你好世界，強化學習。 🙂🚀 "
+) * 20
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "chat_template": CHATML,
+        "model_max_length": 512,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _hf_config(arch: str, vocab_size: int, **overrides):  # noqa: ANN202
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+    common.update(overrides)
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch]
+    if arch == "qwen3":
+        common.setdefault("head_dim", 16)
+    return cls(**common)
+
+
+def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A 2-layer model with peaked logits (large init) so greedy parity is meaningful."""
+    import transformers
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_tokenizer(out_dir)
+    vocab = json.loads((out_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    config = _hf_config(arch, len(vocab) + len(SPECIAL_TOKENS) * 0, **overrides)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.1)
+    if arch == "qwen3":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
