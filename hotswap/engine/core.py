@@ -85,8 +85,10 @@ def _check_kv_capacity(num_blocks: int, config: EngineConfig) -> None:
     capacity = num_blocks * config.cache.block_size
     max_len = config.scheduler.max_model_len
     if capacity < max_len:
+        # Name the knob the user sized the cache with (blocks, or the memory budget).
+        knob = "num_kv_blocks" if config.cache.num_blocks is not None else "kv_cache_memory_bytes"
         raise ValueError(
-            f"num_kv_blocks: the KV cache holds {capacity} tokens ({num_blocks} blocks of "
+            f"{knob}: the KV cache holds {capacity} tokens ({num_blocks} blocks of "
             f"{config.cache.block_size}), fewer than max_model_len={max_len}; give it more "
             f"memory or lower max_model_len"
         )

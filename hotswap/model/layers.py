@@ -62,12 +62,14 @@ class RMSNorm(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, in place in the gate half (no new activation-sized buffers)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with a precomputed float32 cos/sin table indexed by position."""
+    """Rotate-half RoPE with a precomputed float32 cos/sin table indexed by position.
+    One instance serves all layers: the step's cos/sin are looked up once."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any]) -> None:
         super().__init__()
@@ -77,17 +79,20 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q, k: [tokens, heads, head_dim]
-        cos = self.cos[positions].repeat(1, 2)[:, None, :]
-        sin = self.sin[positions].repeat(1, 2)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
+        """cos and sin for the step's positions, [tokens, 1, head_dim], in `dtype`
+        (transformers casts them to the activation dtype the same way)."""
+        cos = self.cos[positions].repeat(1, 2)[:, None, :].to(dtype)
+        sin = self.sin[positions].repeat(1, 2)[:, None, :].to(dtype)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+RopeTable = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rotary(x: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]."""
+    cos, sin = rope
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -39,7 +39,7 @@ def load_checkpoint(model: nn.Module, model_dir: Path, progress: bool = True) ->
     bar.close()
     missing = sorted(model.expected_checkpoint_keys() - loaded)
     if missing:
-        shown = ", ".join(name.replace("#", " shard ") for name in missing[:5])
+        shown = ", ".join(model.checkpoint_name(name) for name in missing[:5])
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"weights: {model_dir} is missing weights for {shown}{more}")
 

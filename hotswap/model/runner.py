@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hotswap.config import EngineConfig
-from hotswap.engine.scheduler import SchedulerOutput
+from hotswap.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hotswap.model.attention import (
     AttentionBackend,
     BatchInvariantAttention,
@@ -74,9 +74,11 @@ class ModelRunner:
     # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        inputs = self._prepare(plan)
+        # Decode rows first, by context length: they then form contiguous attention groups.
+        items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, s.start))
+        inputs = self._prepare(items)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        sampling = [s.request for s in plan.scheduled if s.samples]
+        sampling = [s.request for s in items if s.samples]
         if not sampling:
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
@@ -88,14 +90,14 @@ class ModelRunner:
                 out.logprobs[request.request_id] = logprobs
         return out
 
-    def _prepare(self, plan: SchedulerOutput) -> StepInputs:
+    def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
         size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_rows: list[int] = []
         query_lens, context_lens, tables = [], [], []
-        for item in plan.scheduled:
+        for item in items:
             request, start, end = item.request, item.start, item.start + item.num_tokens
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
@@ -111,5 +113,7 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
-            meta=build_metadata(query_lens, context_lens, tables, slot_mapping, size),
+            meta=build_metadata(
+                query_lens, context_lens, tables, slot_mapping, size, self.config.model.dtype
+            ),
         )

@@ -18,7 +18,9 @@ from hotswap.model.attention import AttentionBackend, AttentionMetadata
 from hotswap.model.layers import (
     Linear,
     RMSNorm,
+    RopeTable,
     RotaryEmbedding,
+    apply_rotary,
     rope_parameters,
     silu_and_mul,
     tiled_linear,
@@ -105,22 +107,21 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
         self.qk_norm = spec.qk_norm
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
         self.backend = backend
         self.scale = spec.head_dim**-0.5
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        v = qkv[:, -self.split_sizes[2] :].view(tokens, kv_heads, self.head_dim)
+        qk = qkv[:, : -self.split_sizes[2]].view(tokens, heads + kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = qk.split([heads, kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k rotate together: one set of elementwise ops instead of two.
+        q, k = apply_rotary(qk, rope).split([heads, kv_heads], dim=1)
         if self.kv_cache is None:
             raise RuntimeError("attention: the KV cache was not bound to the model")
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
@@ -148,10 +149,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.mlp = MLP(spec, dtype, invariant)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
+    def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -167,13 +166,15 @@ class DecoderModel(nn.Module):
             DecoderLayer(spec, dtype, backend, invariant) for _ in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x, meta)
+            x = layer(rope, x, meta)
         return self.norm(x)
 
 
@@ -185,6 +186,7 @@ _FUSED_SHARDS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_SHARD_SOURCES = {fused_shard: proj for proj, fused_shard in _FUSED_SHARDS.items()}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -264,6 +266,18 @@ class LlamaForCausalLM(nn.Module):
             else:
                 keys.add(name)
         return keys
+
+    def checkpoint_name(self, key: str) -> str:
+        """The checkpoint tensor a key of `expected_checkpoint_keys()` is loaded from
+        (the inverse of `_map_name`), for error messages."""
+        name, _, shard = key.partition("#")
+        if name in ("model.embed_tokens", "lm_head"):
+            return f"{name}.weight"
+        if not shard:
+            return name
+        parts = name.split(".")
+        parts[-2] = _SHARD_SOURCES[(parts[-2], int(shard))]
+        return ".".join(parts)
 
     def _map_name(self, name: str) -> tuple[str, int | None] | None:
         if name.endswith(_IGNORED_SUFFIXES):
