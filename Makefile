@@ -30,8 +30,8 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
 lint: venv
-	$(VENV)/bin/ruff check hotswap tests benchmarks examples
-	$(VENV)/bin/ruff format --check hotswap tests benchmarks examples
+	$(VENV)/bin/ruff check hotswap tests benchmarks
+	$(VENV)/bin/ruff format --check hotswap tests benchmarks
 
 bench: venv
 	$(PY) benchmarks/throughput.py

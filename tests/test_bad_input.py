@@ -257,6 +257,10 @@ def test_token_id_outside_vocabulary(llm: LLM, bad_id: int) -> None:
     _good_then_bad(llm, {"prompt_token_ids": [5, bad_id]}, "vocabulary")
 
 
+def test_non_integer_token_id(llm: LLM) -> None:
+    _good_then_bad(llm, {"prompt_token_ids": [5, 1.5]}, "token id 1.5 is outside the vocabulary")
+
+
 @pytest.mark.parametrize("empty", ["", {"prompt_token_ids": []}, {"prompt": ""}])
 def test_empty_prompt(llm: LLM, empty: Any) -> None:
     with pytest.raises(ValueError, match="prompt.*at least one token"):

@@ -18,7 +18,8 @@ import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from hotswap.tokenizer import IncrementalDetokenizer, Tokenizer
+from hotswap.detokenizer import IncrementalDetokenizer
+from hotswap.tokenizer import Tokenizer
 
 CORPUS = (
     "Hello world! The quick brown fox jumps over the lazy dog. Stop here, then STOP! " * 8

@@ -25,11 +25,11 @@ class EngineCore:
         ids = req.prompt_token_ids
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        bad = next((t for t in ids if not _is_token_id(t, self.vocab_size)), None)
         if bad is not None:
             raise ValueError(
-                f"prompt_token_ids: token id {bad} is outside the vocabulary "
-                f"(size {self.vocab_size})"
+                f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
+                f"(integers 0..{self.vocab_size - 1})"
             )
         limit = self.config.scheduler.max_model_len
         if len(ids) >= limit:
@@ -79,6 +79,10 @@ class EngineCore:
                 f"scheduler: {sched.num_waiting} waiting requests but none can be admitted "
                 f"with {sched.kv.num_free_blocks} free blocks"
             )
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _check_kv_capacity(num_blocks: int, config: EngineConfig) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hotswap.detokenizer import IncrementalDetokenizer
 from hotswap.engine.messages import EngineCoreOutput, TokenLogprobsMsg
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
-from hotswap.tokenizer import IncrementalDetokenizer, Tokenizer
+from hotswap.tokenizer import Tokenizer
 
 
 @dataclass

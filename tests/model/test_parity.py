@@ -1,10 +1,10 @@
 """Parity with the reference implementation (Hugging Face transformers).
 
-Tolerance: both sides run float32; the only differences are summation order (our fused
-q/k/v and gate/up projections, paged attention vs transformers' SDPA over a contiguous
-cache). Float32 rounding of a 64-wide dot product is ~1e-7 relative, compounding over 2
-layers and the lm_head to well under 1e-4 on logits of magnitude ~10; we allow 1e-4
-absolute. The 30-layer default model accumulates more (measured ~1e-4); we allow 1e-3.
+Tolerance: both sides run float32 and differ only in summation order (our fused q/k/v and
+gate/up projections, paged attention vs transformers' SDPA over a contiguous cache). The
+tiny 2-layer models (logits up to ~4) measured a largest difference of 3e-6: we allow 2e-5.
+The 30-layer default model (logits up to ~42) accumulates more, measured 9e-5: we allow
+1e-3, still far below the logit gaps that decide a greedy token.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_tiny_model_matches_transformers(tiny_model_factory, arch: str) -> None:
     ref_tokens, ref_logits = hf_reference(model_dir, [o.prompt_token_ids for o in outs], 24)
     for out, expected, ours, theirs in zip(outs, ref_tokens, logits, ref_logits):
         assert out.outputs[0].token_ids == expected, out.prompt
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)
 
 
 @pytest.mark.slow
