@@ -1,11 +1,15 @@
 """hotswap: an LLM rollout engine for asynchronous RL."""
 
+from hotswap.engine.async_llm import AsyncLLM, EngineDeadError
 from hotswap.engine.llm import LLM
-from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
+    "EngineDeadError",
+    "WeightVersionSpan",
     "CompletionOutput",
     "Logprob",
     "RequestOutput",

@@ -17,6 +17,18 @@ SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
+class WeightVersionSpan:
+    """Output tokens [start, end) were produced by committed weight `version` (`label`).
+    `stale`: they attended to KV computed with older weights (pause with clear_cache=False)."""
+
+    version: int
+    label: str
+    start: int
+    end: int
+    stale: bool = False
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str = ""
@@ -25,6 +37,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -31,7 +31,10 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per sampled token (0: sampled token only)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY
+    # Abort (finish_reason "abort") instead of straddling more than this many weight
+    # commits after the request's first token; None: no bound.
+    max_weight_lag: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +71,12 @@ class SamplingParams:
             self.seed is None or _is_int(self.seed), "seed", f"must be an int, got {self.seed!r}"
         )
         self._validate_lengths()
+        _require(
+            self.max_weight_lag is None
+            or (_is_int(self.max_weight_lag) and self.max_weight_lag >= 0),
+            "max_weight_lag",
+            f"must be a non-negative integer, got {self.max_weight_lag!r}",
+        )
         _require(
             all(isinstance(s, str) and s for s in self.stop),
             "stop",

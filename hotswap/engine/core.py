@@ -6,9 +6,19 @@ from collections.abc import Iterable
 
 from hotswap.config import EngineConfig
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobsMsg
+from hotswap.engine.prompts import check_prompt
 from hotswap.engine.request import Request, RequestStatus
 from hotswap.engine.scheduler import PauseState, Scheduler
 from hotswap.model.runner import ModelRunner, RunnerOutput
+
+PAUSE_MODES = ("abort", "wait", "keep")
+DEFAULT_WEIGHT_LABEL = "default"
+
+
+def check_pause_mode(mode: object) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]
 
 
 class EngineCore:
@@ -18,25 +28,13 @@ class EngineCore:
         _check_kv_capacity(self.runner.num_blocks, config)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
         self.vocab_size = config.model.vocab_size
+        self.weight_version = 0  # +1 per committed update
+        self.weight_label = DEFAULT_WEIGHT_LABEL
 
     # -- inputs ---------------------------------------------------------------------------
     def validate_request(self, req: EngineCoreRequest) -> None:
         """Raise ValueError naming the problem; changes nothing."""
-        ids = req.prompt_token_ids
-        if not ids:
-            raise ValueError("prompt: must contain at least one token")
-        bad = next((t for t in ids if not _is_token_id(t, self.vocab_size)), None)
-        if bad is not None:
-            raise ValueError(
-                f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
-                f"(integers 0..{self.vocab_size - 1})"
-            )
-        limit = self.config.scheduler.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens is too long for max_model_len={limit} "
-                f"(at least one token must fit after it)"
-            )
+        check_prompt(req.prompt_token_ids, self.vocab_size, self.config.scheduler.max_model_len)
         if req.request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {req.request_id!r} is already in use")
 
@@ -53,13 +51,73 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [_finished_output(r) for r in aborted]
+        return [self._finished_output(r) for r in aborted]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- pause / resume (DESIGN §3) ------------------------------------------------------
+    def pause(self, mode: str, clear_cache: bool = True) -> list[EngineCoreOutput]:
+        """Enter the pause state for `mode` (never loosening a stricter one). Returns the
+        outputs of requests aborted by `abort` mode; `pause_complete()` tells when the
+        caller may return, and `finish_pause()` must run then."""
+        check_pause_mode(mode)
+        outputs = self.abort_requests(list(self.scheduler.requests)) if mode == "abort" else []
+        wanted = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        self.scheduler.set_pause_state(max(self.scheduler.pause_state, wanted))
+        return outputs
+
+    def pause_complete(self) -> bool:
+        """`keep`: at once (the loop only calls this between steps); `abort`/`wait`: when no
+        started request remains; a resume that overtook the pause also ends the wait."""
+        state = self.scheduler.pause_state
+        return state != PauseState.PAUSED_NEW or not self.scheduler.has_started_requests()
+
+    def finish_pause(self, clear_cache: bool) -> None:
+        if clear_cache and self.scheduler.pause_state != PauseState.UNPAUSED:
+            self.scheduler.drop_running_kv()
+            self.reset_prefix_cache()
+
+    def resume(self) -> None:
+        self.scheduler.set_pause_state(PauseState.UNPAUSED)
+
+    def is_paused(self) -> bool:
+        return self.scheduler.pause_state != PauseState.UNPAUSED
+
+    # -- weight versions -----------------------------------------------------------------
+    def update_weight_version(self, label: str) -> list[EngineCoreOutput]:
+        """Commit a new weight version (+1) under `label`; requests that would now lag more
+        than their `max_weight_lag` behind their first token's version are aborted."""
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"new_version: must be a non-empty string, got {label!r}")
+        self.weight_version += 1
+        self.weight_label = label
+        self.scheduler.kv.weight_version = self.weight_version
+        return self._abort_lagging_requests()
+
+    def get_weight_version(self) -> dict[str, int | str]:
+        return {"version": self.weight_version, "label": self.weight_label}
+
+    def _abort_lagging_requests(self) -> list[EngineCoreOutput]:
+        lagging = {}
+        for request in self.scheduler.requests.values():
+            limit = request.sampling_params.max_weight_lag
+            start = request.start_version
+            if limit is not None and start is not None and self.weight_version - start > limit:
+                lagging[request.request_id] = (
+                    f"max_weight_lag: started on weight version {start}, engine is at "
+                    f"{self.weight_version} (limit {limit})"
+                )
+        finished = self.scheduler.finish_requests(lagging, RequestStatus.FINISHED_ABORTED)
+        for request in finished:
+            request.stop_reason = lagging[request.request_id]
+        return [self._finished_output(r) for r in finished]
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -69,7 +127,34 @@ class EngineCore:
             return []
         result = self.runner.execute(plan)
         changed = self.scheduler.update_from_output(plan, result.sampled)
-        return [_step_output(r, result) for r in changed]
+        return [self._step_output(r, result) for r in changed]
+
+    def _step_output(self, request: Request, result: RunnerOutput) -> EngineCoreOutput:
+        logprobs = result.logprobs.get(request.request_id)
+        out = self._finished_output(request)
+        out.new_token_ids = [request.output_token_ids[-1]]
+        if logprobs is not None:
+            out.new_logprobs = [
+                TokenLogprobsMsg(
+                    logprobs.token_logprob,
+                    logprobs.token_rank,
+                    logprobs.top_ids,
+                    logprobs.top_logprobs,
+                )
+            ]
+        return out
+
+    def _finished_output(self, request: Request) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            weight_version=self.weight_version,
+            weight_label=self.weight_label,
+            stale=request.kv_version != self.weight_version,
+        )
 
     def _check_not_stuck(self) -> None:
         sched = self.scheduler
@@ -79,10 +164,6 @@ class EngineCore:
                 f"scheduler: {sched.num_waiting} waiting requests but none can be admitted "
                 f"with {sched.kv.num_free_blocks} free blocks"
             )
-
-
-def _is_token_id(value: object, vocab_size: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
 def _check_kv_capacity(num_blocks: int, config: EngineConfig) -> None:
@@ -96,31 +177,3 @@ def _check_kv_capacity(num_blocks: int, config: EngineConfig) -> None:
             f"{config.cache.block_size}), fewer than max_model_len={max_len}; give it more "
             f"memory or lower max_model_len"
         )
-
-
-def _step_output(request: Request, result: RunnerOutput) -> EngineCoreOutput:
-    logprobs = result.logprobs.get(request.request_id)
-    return EngineCoreOutput(
-        request_id=request.request_id,
-        new_token_ids=[request.output_token_ids[-1]],
-        new_logprobs=None
-        if logprobs is None
-        else [
-            TokenLogprobsMsg(
-                logprobs.token_logprob, logprobs.token_rank, logprobs.top_ids, logprobs.top_logprobs
-            )
-        ],
-        finish_reason=request.status.finish_reason,
-        stop_reason=request.stop_reason,
-        num_cached_tokens=max(request.num_cached_tokens, 0),
-    )
-
-
-def _finished_output(request: Request) -> EngineCoreOutput:
-    return EngineCoreOutput(
-        request_id=request.request_id,
-        new_token_ids=[],
-        finish_reason=request.status.finish_reason,
-        stop_reason=request.stop_reason,
-        num_cached_tokens=max(request.num_cached_tokens, 0),
-    )

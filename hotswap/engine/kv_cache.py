@@ -16,11 +16,14 @@ from collections.abc import Sequence
 
 from hotswap.engine.request import Request
 
-_ROOT_HASH = b"hotswap-kv-root"
+
+def root_hash(weight_version: int) -> bytes:
+    """Chains start from the weight version: KV computed with other weights never matches."""
+    return b"hotswap-kv-v%d" % weight_version
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    digest = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
+def hash_block(parent: bytes | None, token_ids: Sequence[int], weight_version: int = 0) -> bytes:
+    digest = hashlib.blake2b(parent or root_hash(weight_version), digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
@@ -106,6 +109,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.weight_version = 0  # salts block hashes; set by the engine on each commit
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of which served from it
 
@@ -191,17 +195,21 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         size = self.block_size
+        if request.block_hashes_version != self.weight_version:
+            request.block_hashes = []
+            request.block_hashes_version = self.weight_version
         hashes = request.block_hashes
         while (len(hashes) + 1) * size <= request.num_tokens:
             start = len(hashes) * size
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, request.all_token_ids[start : start + size]))
+            tokens = request.all_token_ids[start : start + size]
+            hashes.append(hash_block(parent, tokens, self.weight_version))
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Blocks whose tokens will all be computed after this step can be shared now: the
         runner writes every layer's new KV before any attention reads it."""
-        if not self.enable_caching:
-            return
+        if not self.enable_caching or request.kv_version != self.weight_version:
+            return  # KV computed with older weights (kept by clear_cache=False) is not shared
         self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         for index in range(num_full):

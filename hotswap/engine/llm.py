@@ -12,12 +12,11 @@ from hotswap.config import EngineArgs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine.output_processor import OutputProcessor
+from hotswap.engine.prompts import Prompt, encode_prompt
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
 
-# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
-Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 
 
@@ -43,7 +42,7 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        requests = [self._encode(p) for p in prompt_list]
+        requests = [encode_prompt(self.tokenizer, p) for p in prompt_list]
         for (_, ids), params in zip(requests, params_list):  # refuse bad input before adding any
             self.engine.validate_request(EngineCoreRequest("validate", ids, params))
         order = []
@@ -76,19 +75,6 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     # -- internals ------------------------------------------------------------------------
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._encode(prompt["prompt"])
-            raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"prompt: unsupported type {type(prompt).__name__}")
-
     def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._ids))
         params = _with_kind(params, RequestOutputKind.FINAL_ONLY)

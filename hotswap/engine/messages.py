@@ -33,7 +33,36 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Provenance of new_token_ids: the committed weights that produced them, and whether
+    # they attended to KV computed with older weights (kept by pause(clear_cache=False)).
+    weight_version: int = 0
+    weight_label: str = "default"
+    stale: bool = False
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class UtilityCall(msgspec.Struct):
+    """A control call (pause, resume, versions, ...) answered by `call_id`."""
+
+    call_id: int
+    method: str
+    args: list = []
+
+
+class UtilityResult(msgspec.Struct, omit_defaults=True):
+    call_id: int
+    result: object = None
+    error: str | None = None
+    error_type: str | None = None  # "ValueError" for refused input, else an engine error
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    """One batch from the engine core. Its outputs precede its results: a call answered
+    here returns only after every output produced before it has been delivered."""
+
+    outputs: list[EngineCoreOutput] = []
+    results: list[UtilityResult] = []
+    engine_error: str | None = None  # the engine core died; every stream and call fails

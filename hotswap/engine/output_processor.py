@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from hotswap.detokenizer import IncrementalDetokenizer
 from hotswap.engine.messages import EngineCoreOutput, TokenLogprobsMsg
-from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
 
@@ -23,6 +23,19 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # tokens already handed out (delta mode)
+    spans: list[WeightVersionSpan] = field(default_factory=list)
+
+    def record_provenance(self, out: EngineCoreOutput) -> None:
+        end = len(self.token_ids)
+        start = end - len(out.new_token_ids)
+        if start == end:
+            return
+        last = self.spans[-1] if self.spans else None
+        key = (out.weight_version, out.weight_label, out.stale)
+        if last is not None and (last.version, last.label, last.stale) == key:
+            last.end = end
+        else:
+            self.spans.append(WeightVersionSpan(*key[:2], start, end, out.stale))
 
 
 @dataclass
@@ -94,6 +107,17 @@ class OutputProcessor:
                 del self.requests[state.request_id]
         return results, to_abort
 
+    def child_ids(self, request_id: str) -> list[str]:
+        state = self.requests.get(request_id)
+        if state is None:
+            return []
+        n = len(state.choices)
+        return [
+            child_request_id(request_id, c.index, n)
+            for c in state.choices
+            if c.finish_reason is None
+        ]
+
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its child ids still running in the engine."""
         state = self.requests.pop(request_id, None)
@@ -120,6 +144,7 @@ class OutputProcessor:
         """Fold one engine output into a choice; True if a stop string just ended it."""
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         choice.token_ids.extend(out.new_token_ids)
+        choice.record_provenance(out)
         if out.new_logprobs and choice.logprobs is not None:
             for token, lp in zip(out.new_token_ids, out.new_logprobs):
                 choice.logprobs.append(self._logprob_dict(token, lp))
@@ -179,4 +204,14 @@ class OutputProcessor:
             cumulative_logprob=choice.cumulative_logprob,
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
+            weight_versions=_clip_spans(choice.spans, start),
         )
+
+
+def _clip_spans(spans: list[WeightVersionSpan], start: int) -> list[WeightVersionSpan]:
+    """Copies of the spans covering output tokens from `start` on (indexes stay absolute)."""
+    return [
+        WeightVersionSpan(s.version, s.label, max(s.start, start), s.end, s.stale)
+        for s in spans
+        if s.end > start
+    ]

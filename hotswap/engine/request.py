@@ -57,10 +57,15 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of tokens
+        self.block_hashes_version = 0  # the weight version those hashes are salted with
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not yet
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
+        # Weight versions: the one its first token came from (staleness bound) and the one
+        # its KV cache was computed with (tokens decoded after a newer commit are stale).
+        self.start_version: int | None = None
+        self.kv_version = 0
         self.generator = _make_generator(sampling_params.seed)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
 

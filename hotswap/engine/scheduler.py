@@ -96,6 +96,27 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether a step could schedule anything in the current pause state."""
+        if self.pause_state == PauseState.PAUSED_ALL:
+            return False
+        if self.pause_state == PauseState.PAUSED_NEW:
+            return self.has_started_requests()
+        return bool(self.requests)
+
+    def has_started_requests(self) -> bool:
+        """Running requests, including preempted ones waiting to be recomputed."""
+        return bool(self.running) or any(r.status == RequestStatus.PREEMPTED for r in self.waiting)
+
+    def drop_running_kv(self) -> int:
+        """Free the KV of every running request (frozen by a pause); they recompute their
+        prompt and output so far when scheduled again, ahead of new requests."""
+        dropped = self.running[::-1]
+        for request in dropped:
+            self._preempt(request, count=False)
+        self.running = []
+        return len(dropped)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -162,6 +183,9 @@ class Scheduler:
         num_new = min(num_new, budget)
         if not self.kv.can_allocate(request, num_new, computed_blocks):
             return 0
+        request.kv_version = self.kv.weight_version  # its KV is computed afresh from here
+        if request.start_version is None:
+            request.start_version = self.kv.weight_version
         self.kv.allocate(request, num_new, computed_blocks)
         request.num_computed_tokens = num_cached
         self.kv.record_prefix_lookup(request.num_tokens, num_cached)
@@ -170,12 +194,13 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         return num_new
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, count: bool = True) -> None:
         self.kv.free(request)
         request.reset_for_recompute()
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
+        if count:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # -- after the model ran ------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""The engine core's busy loop: drain inputs -> step -> emit outputs.
+
+The same loop runs in a thread (in-process engine) or in a child process; only the inbox
+and the emit function differ. Control calls carry a call id; a pause whose condition does
+not hold yet is kept pending and answered after the step that makes it hold, never by
+sleeping a fixed time.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hotswap.engine.core import EngineCore
+from hotswap.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    UtilityCall,
+    UtilityResult,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class InputKind(enum.IntEnum):
+    ADD = 0
+    ABORT = 1
+    UTILITY = 2
+    SHUTDOWN = 3
+
+
+@dataclass
+class PendingPause:
+    call_id: int
+    clear_cache: bool
+
+
+class EngineCoreLoop:
+    def __init__(
+        self,
+        core: EngineCore,
+        inbox: queue.Queue[tuple[InputKind, Any]],
+        emit: Callable[[EngineCoreOutputs], None],
+    ) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.emit = emit
+        self.pending: list[PendingPause] = []
+        self.outputs: list[EngineCoreOutput] = []
+        self.results: list[UtilityResult] = []
+        self.running = True
+
+    def run(self) -> None:
+        try:
+            while self.running:
+                self._process_inputs(block=not self.core.has_work())
+                if self.running and self.core.has_work():
+                    self.outputs.extend(self.core.step())
+                self._complete_pauses()
+                self._flush()
+        except Exception:  # noqa: BLE001 - the engine is dead: tell every stream why
+            logger.exception("engine core loop died")
+            self.emit(EngineCoreOutputs(engine_error=traceback.format_exc()))
+
+    # -- inputs ---------------------------------------------------------------------------
+    def _process_inputs(self, block: bool) -> None:
+        if block:
+            self._handle(*self.inbox.get())
+        while self.running:
+            try:
+                kind, payload = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(kind, payload)
+
+    def _handle(self, kind: InputKind, payload: Any) -> None:
+        if kind == InputKind.ADD:
+            self._add(payload)
+        elif kind == InputKind.ABORT:
+            self.outputs.extend(self.core.abort_requests(payload))
+        elif kind == InputKind.UTILITY:
+            self._call(payload)
+        elif kind == InputKind.SHUTDOWN:
+            self.running = False
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(request)
+        except ValueError as e:  # the front-end validates first; this is a last guard
+            self.outputs.append(
+                EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=str(e))
+            )
+
+    # -- control calls ----------------------------------------------------------------------
+    def _call(self, call: UtilityCall) -> None:
+        handler = getattr(self, f"_call_{call.method}", None)
+        if handler is None:
+            self._answer(call.call_id, error=ValueError(f"method: unknown {call.method!r}"))
+            return
+        try:
+            result = handler(call, *call.args)
+        except (ValueError, TypeError) as e:
+            self._answer(call.call_id, error=e)
+            return
+        if result is not _PENDING:
+            self._answer(call.call_id, result)
+
+    def _call_pause(self, call: UtilityCall, mode: str, clear_cache: bool) -> object:
+        if not isinstance(clear_cache, bool):
+            raise ValueError(f"clear_cache: must be a boolean, got {clear_cache!r}")
+        self.outputs.extend(self.core.pause(mode, clear_cache))
+        self.pending.append(PendingPause(call.call_id, clear_cache))
+        return _PENDING
+
+    def _call_resume(self, call: UtilityCall) -> None:
+        self.core.resume()
+
+    def _call_is_paused(self, call: UtilityCall) -> bool:
+        return self.core.is_paused()
+
+    def _call_reset_prefix_cache(self, call: UtilityCall) -> int:
+        return self.core.reset_prefix_cache()
+
+    def _call_update_weight_version(self, call: UtilityCall, label: str) -> dict:
+        self.outputs.extend(self.core.update_weight_version(label))
+        return self.core.get_weight_version()
+
+    def _call_get_weight_version(self, call: UtilityCall) -> dict:
+        return self.core.get_weight_version()
+
+    def _complete_pauses(self) -> None:
+        if not self.pending or not self.core.pause_complete():
+            return
+        for pause in self.pending:
+            self.core.finish_pause(pause.clear_cache)
+            self._answer(pause.call_id, None)
+        self.pending = []
+
+    def _answer(self, call_id: int, result: object = None, error: Exception | None = None) -> None:
+        if error is None:
+            self.results.append(UtilityResult(call_id, result=result))
+        else:
+            self.results.append(
+                UtilityResult(call_id, error=str(error), error_type=type(error).__name__)
+            )
+
+    def _flush(self) -> None:
+        if self.outputs or self.results:
+            batch = EngineCoreOutputs(self.outputs, self.results)
+            self.outputs, self.results = [], []
+            self.emit(batch)
+
+
+_PENDING = object()

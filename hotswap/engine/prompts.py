@@ -1,0 +1,46 @@
+"""Prompt normalisation and validation shared by the front-ends (LLM, AsyncLLM)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hotswap.tokenizer import Tokenizer
+
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict[str, Any]
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
+    """(text or None, token ids)."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return encode_prompt(tokenizer, prompt["prompt"])
+        raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"prompt: unsupported type {type(prompt).__name__}")
+
+
+def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Raise ValueError naming the problem; changes nothing."""
+    if not ids:
+        raise ValueError("prompt: must contain at least one token")
+    bad = next((t for t in ids if not (_is_int(t) and 0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise ValueError(
+            f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
+            f"(integers 0..{vocab_size - 1})"
+        )
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"prompt: {len(ids)} tokens is too long for max_model_len={max_model_len} "
+            f"(at least one token must fit after it)"
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
