@@ -15,7 +15,7 @@ from typing import Any
 
 from hotswap.config import EngineArgs
 from hotswap.engine.core import check_pause_mode
-from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient
+from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient, MPEngineClient
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import Prompt, check_prompt, encode_prompt
@@ -29,14 +29,28 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, model: str | None = None, *, progress: bool = True, **engine_args: Any):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        multiprocess: bool = False,
+        progress: bool = True,
+        **engine_args: Any,
+    ) -> None:
+        """`multiprocess=True` runs the engine core in a child process over ZMQ (what the
+        server uses); otherwise it runs on a thread of this process."""
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"AsyncLLM: unknown engine argument(s) {sorted(unknown)}")
-        self.config = EngineArgs(model=model, **engine_args).create_engine_config()
+        args = EngineArgs(model=model, **engine_args)
+        self.config = args.create_engine_config()
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
-        self.client: EngineCoreClient = InprocEngineClient(self.config, progress=progress)
+        self.client: EngineCoreClient = (
+            MPEngineClient(args)
+            if multiprocess
+            else InprocEngineClient(self.config, progress=progress)
+        )
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -67,8 +81,9 @@ class AsyncLLM:
                 yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                self.client.abort_requests(self.processor.abort_request(request_id))
+            children = self.processor.abort_request(request_id)
+            if not finished and self._dead is None:
+                self.client.abort_requests(children)
 
     def _submit(
         self, request_id: str, prompt: Prompt, params: SamplingParams
@@ -118,6 +133,10 @@ class AsyncLLM:
 
     async def get_weight_version(self) -> dict[str, Any]:
         return await self._call("get_weight_version")
+
+    async def get_stats(self) -> dict[str, Any]:
+        """Queue sizes, KV usage, pause state and weight version of the engine core."""
+        return await self._call("get_stats")
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -62,6 +62,22 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def get_stats(self) -> dict[str, int | float | str]:
+        sched = self.scheduler
+        return {
+            "num_requests": len(sched.requests),
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "num_free_blocks": sched.kv.num_free_blocks,
+            "num_blocks": sched.kv.pool.num_blocks,
+            "kv_usage": sched.kv.usage,
+            "prefix_cache_hit_rate": sched.kv.hit_rate,
+            "num_preemptions": sched.num_preemptions,
+            "pause_state": sched.pause_state.name,
+            "weight_version": self.weight_version,
+            "weight_label": self.weight_label,
+        }
+
     # -- pause / resume (DESIGN §3) ------------------------------------------------------
     def pause(self, mode: str, clear_cache: bool = True) -> list[EngineCoreOutput]:
         """Enter the pause state for `mode` (never loosening a stricter one). Returns the

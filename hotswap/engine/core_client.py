@@ -8,16 +8,26 @@ over several of them.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
 import queue
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
-from hotswap.config import EngineConfig
+import zmq  # noqa: E402  (grouped with the transport it serves)
+
+from hotswap.config import EngineArgs, EngineConfig
 from hotswap.engine.core import EngineCore
 from hotswap.engine.core_loop import EngineCoreLoop, InputKind
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
+from hotswap.engine.wire import READY, decode_outputs, encode_input
 
 OutputHandler = Callable[[EngineCoreOutputs], None]
 
@@ -68,3 +78,116 @@ class InprocEngineClient(EngineCoreClient):
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=30)
         self.thread = None
+
+
+class MPEngineClient(EngineCoreClient):
+    """The engine core in a child process, over two ZMQ IPC sockets in a private temporary
+    directory (no ports). If the process dies, one `engine_error` batch reaches the handler
+    within ~0.1 s, so every pending stream and call fails at once instead of hanging."""
+
+    POLL_MS = 100
+
+    def __init__(self, engine_args: EngineArgs, startup_timeout: float = 600.0) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix="hotswap-core-")
+        self.context = zmq.Context()
+        self.input = self.context.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.SNDHWM, 0)  # queue without limit while the core is busy
+        self.input.bind(f"ipc://{self.tmpdir}/input")
+        self.output = self.context.socket(zmq.PULL)
+        self.output.bind(f"ipc://{self.tmpdir}/output")
+        self.send_lock = threading.Lock()
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hotswap.engine.core_proc",
+                f"ipc://{self.tmpdir}/input",
+                f"ipc://{self.tmpdir}/output",
+                json.dumps(dataclasses.asdict(engine_args)),
+            ],
+            stdin=subprocess.DEVNULL,
+        )
+        self.receiver: threading.Thread | None = None
+        self.closed = False
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        waited = 0.0
+        while not self.output.poll(self.POLL_MS):
+            waited += self.POLL_MS / 1000
+            if self.process.poll() is not None or waited > timeout:
+                self.shutdown()
+                raise RuntimeError(
+                    f"engine core process failed to start (exit code {self.process.returncode})"
+                )
+        message = self.output.recv()
+        if message != READY:
+            error = decode_outputs(message).engine_error
+            self.shutdown()
+            raise RuntimeError(f"engine core process: {error}")
+
+    def start(self, on_outputs: OutputHandler) -> None:
+        self.receiver = threading.Thread(
+            target=self._receive, args=(on_outputs,), name="hotswap-core-output", daemon=True
+        )
+        self.receiver.start()
+
+    def _receive(self, on_outputs: OutputHandler) -> None:
+        while not self.closed:
+            if self.output.poll(self.POLL_MS):
+                on_outputs(decode_outputs(self.output.recv()))
+            elif self.process.poll() is not None:
+                if not self.closed:
+                    on_outputs(
+                        EngineCoreOutputs(
+                            engine_error=(
+                                f"engine core process exited with code {self.process.returncode}"
+                            )
+                        )
+                    )
+                return
+
+    def _send(self, kind: InputKind, payload: Any) -> None:
+        """Never blocks: with the core process gone a PUSH socket has no peer and a plain
+        send would wait forever; such sends are dropped (the death is reported already)."""
+        with self.send_lock:
+            if self.closed or self.process.poll() is not None:
+                return
+            try:
+                self.input.send_multipart(encode_input(kind, payload), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                if self.process.poll() is None:
+                    raise
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(InputKind.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self._send(InputKind.ABORT, list(request_ids))
+
+    def call_utility(self, call: UtilityCall) -> None:
+        self._send(InputKind.UTILITY, call)
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        if self.process.poll() is None:
+            self._send(InputKind.SHUTDOWN, None)
+            _wait(self.process, 10)
+        if self.process.poll() is None:
+            self.process.kill()
+            _wait(self.process, 5)
+        self.closed = True
+        if self.receiver is not None and self.receiver is not threading.current_thread():
+            self.receiver.join(timeout=5)
+        with self.send_lock:
+            self.input.close(linger=0)
+            self.output.close(linger=0)
+            self.context.term()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _wait(process: subprocess.Popen, timeout: float) -> None:
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=timeout)

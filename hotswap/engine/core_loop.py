@@ -55,6 +55,7 @@ class EngineCoreLoop:
         self.outputs: list[EngineCoreOutput] = []
         self.results: list[UtilityResult] = []
         self.running = True
+        self.failed = False
 
     def run(self) -> None:
         try:
@@ -66,6 +67,7 @@ class EngineCoreLoop:
                 self._flush()
         except Exception:  # noqa: BLE001 - the engine is dead: tell every stream why
             logger.exception("engine core loop died")
+            self.failed = True
             self.emit(EngineCoreOutputs(engine_error=traceback.format_exc()))
 
     # -- inputs ---------------------------------------------------------------------------
@@ -133,6 +135,9 @@ class EngineCoreLoop:
 
     def _call_get_weight_version(self, call: UtilityCall) -> dict:
         return self.core.get_weight_version()
+
+    def _call_get_stats(self, call: UtilityCall) -> dict:
+        return self.core.get_stats()
 
     def _complete_pauses(self) -> None:
         if not self.pending or not self.core.pause_complete():

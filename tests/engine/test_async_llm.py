@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import random
+import signal
 
 import pytest
 
@@ -17,15 +19,22 @@ LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHARED = "Reinforcement learning trains a policy while it keeps generating rollouts. " * 3
 
 
+@pytest.fixture(params=["inproc", "process"])
+def transport(request) -> str:  # noqa: ANN001
+    return request.param
+
+
 @pytest.fixture
-def make_engine(tiny_llama):
+def make_engine(tiny_llama, transport: str):
+    """Engines on the tested transport: a thread of this process, or a child process."""
     engines: list[AsyncLLM] = []
 
     def make(**kw) -> AsyncLLM:
         kw.setdefault("dtype", "float32")
         kw.setdefault("block_size", 8)
         kw.setdefault("max_model_len", 512)
-        engine = AsyncLLM(str(tiny_llama), progress=False, **kw)
+        multiprocess = transport == "process"
+        engine = AsyncLLM(str(tiny_llama), multiprocess=multiprocess, progress=False, **kw)
         engines.append(engine)
         return engine
 
@@ -67,14 +76,10 @@ async def drain() -> None:
         await asyncio.sleep(0)
 
 
-def engine_state(llm: AsyncLLM):  # noqa: ANN201
-    return llm.client.core.scheduler
-
-
-def assert_no_leak(llm: AsyncLLM) -> None:
-    sched = engine_state(llm)
-    assert not sched.requests and not sched.running and not sched.waiting
-    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
+async def assert_no_leak(llm: AsyncLLM) -> None:
+    stats = await llm.get_stats()
+    assert stats["num_requests"] == stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
@@ -108,7 +113,7 @@ def test_pause_mode_matrix(make_engine, mode: str) -> None:
         if mode == "keep":
             assert inflight.num_tokens == 400
         await drain()
-        assert_no_leak(llm)
+        await assert_no_leak(llm)
 
     asyncio.run(scenario())
 
@@ -132,7 +137,7 @@ def test_pause_resume_idempotent_and_invalid_mode_changes_nothing(make_engine) -
         # A second pause never loosens: keep then wait stays PAUSED_ALL.
         await llm.pause_generation(mode="keep")
         await llm.pause_generation(mode="wait")
-        assert engine_state(llm).pause_state == PauseState.PAUSED_ALL
+        assert (await llm.get_stats())["pause_state"] == PauseState.PAUSED_ALL.name
         await llm.resume_generation()
 
     asyncio.run(scenario())
@@ -238,23 +243,30 @@ def test_abort_and_early_exit_free_the_kv(make_engine) -> None:
                 break
         await asyncio.sleep(0.1)
         await llm.pause_generation(mode="wait")  # round-trip: the abort has been applied
-        assert_no_leak(llm)
+        await assert_no_leak(llm)
 
     asyncio.run(scenario())
 
 
-def test_engine_death_fails_streams_and_calls(make_engine) -> None:
+def test_engine_death_fails_streams_and_calls(make_engine, transport: str) -> None:
+    """The engine core dies mid-stream (a crashing step in-process; SIGKILL of the child
+    process): the stream and later calls raise EngineDeadError promptly, nothing hangs."""
+
     async def scenario() -> None:
         llm = make_engine()
         stream = Stream(llm, "The quick", LONG, "doomed")
         await stream.first.wait()
+        if transport == "process":
+            await llm.pause_generation(mode="keep")
+            os.kill(llm.client.process.pid, signal.SIGKILL)
+        else:
 
-        def broken_step() -> list:
-            raise RuntimeError("simulated engine crash")
+            def broken_step() -> list:
+                raise RuntimeError("simulated engine crash")
 
-        llm.client.core.step = broken_step
-        with pytest.raises(EngineDeadError, match="simulated engine crash"):
-            await asyncio.wait_for(stream.task, 10)
+            llm.client.core.step = broken_step
+        with pytest.raises(EngineDeadError, match="crash|exited"):
+            await asyncio.wait_for(stream.task, 5)
         with pytest.raises(EngineDeadError):
             await llm.is_paused()
 
@@ -301,6 +313,6 @@ def test_soak_random_pause_resume_cycles(make_engine) -> None:
             else:
                 assert stream.finish_reason == "abort" and stream.num_tokens < budget
         await llm.pause_generation(mode="wait")
-        assert_no_leak(llm)
+        await assert_no_leak(llm)
 
     asyncio.run(scenario())

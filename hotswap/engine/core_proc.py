@@ -1,0 +1,75 @@
+"""The engine core in a child process: ZMQ in, the busy loop, ZMQ out.
+
+Started as `python -m hotswap.engine.core_proc INPUT OUTPUT ENGINE_ARGS_JSON` rather than
+through multiprocessing, so the parent's `__main__` is never re-imported (scripts need no
+`if __name__ == "__main__"` guard) and only plain JSON crosses into the child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+from typing import Any
+
+import zmq
+
+from hotswap.config import EngineArgs, EngineConfig
+from hotswap.engine.core import EngineCore
+from hotswap.engine.core_loop import EngineCoreLoop, InputKind
+from hotswap.engine.messages import EngineCoreOutputs
+from hotswap.engine.wire import READY, decode_input, encode_outputs
+
+
+def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Process entry point. Loads the model, says READY, then serves until SHUTDOWN."""
+    context = zmq.Context()
+    output = context.socket(zmq.PUSH)
+    output.connect(output_addr)
+    try:
+        core = EngineCore(config, progress=False)
+    except Exception as e:  # noqa: BLE001 - report why start-up failed, then exit
+        output.send(encode_outputs(EngineCoreOutputs(engine_error=f"start-up failed: {e}")))
+        output.close(linger=1000)
+        raise
+    inbox: queue.Queue[tuple[InputKind, Any]] = queue.Queue()
+    reader = threading.Thread(
+        target=_read_inputs,
+        args=(context, input_addr, inbox),
+        name="hotswap-core-input",
+        daemon=True,
+    )
+    reader.start()
+    output.send(READY)
+    loop = EngineCoreLoop(core, inbox, lambda batch: output.send(encode_outputs(batch)))
+    loop.run()
+    output.close(linger=2000)  # flush the last outputs
+    # Exit without interpreter teardown: after a crash the input thread may still block
+    # in recv, and terminating its ZMQ context would wait for it forever.
+    os._exit(1 if loop.failed else 0)
+
+
+def _read_inputs(
+    context: zmq.Context, input_addr: str, inbox: queue.Queue[tuple[InputKind, Any]]
+) -> None:
+    """Owns the input socket (ZMQ sockets are not thread-safe) and feeds the loop's inbox."""
+    sock = context.socket(zmq.PULL)
+    sock.connect(input_addr)
+    while True:
+        kind, payload = decode_input(sock.recv_multipart())
+        inbox.put((kind, payload))
+        if kind == InputKind.SHUTDOWN:
+            sock.close(linger=0)
+            return
+
+
+def main(argv: list[str]) -> None:
+    input_addr, output_addr, args_json = argv
+    config = EngineArgs(**json.loads(args_json)).create_engine_config()
+    run_engine_core_process(config, input_addr, output_addr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
