@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from collections.abc import Iterable
 
 from hotswap.config import EngineConfig
@@ -30,6 +33,7 @@ class EngineCore:
         self.vocab_size = config.model.vocab_size
         self.weight_version = 0  # +1 per committed update
         self.weight_label = DEFAULT_WEIGHT_LABEL
+        self.step_seconds: deque[float] = deque(maxlen=256)  # recent non-empty steps
 
     # -- inputs ---------------------------------------------------------------------------
     def validate_request(self, req: EngineCoreRequest) -> None:
@@ -76,6 +80,14 @@ class EngineCore:
             "pause_state": sched.pause_state.name,
             "weight_version": self.weight_version,
             "weight_label": self.weight_label,
+            **self._step_time_stats(),
+        }
+
+    def _step_time_stats(self) -> dict[str, float]:
+        steps = sorted(self.step_seconds) or [0.0]
+        return {
+            "step_ms_p50": 1000 * statistics.median(steps),
+            "step_ms_p99": 1000 * steps[min(len(steps) - 1, round(0.99 * (len(steps) - 1)))],
         }
 
     # -- pause / resume (DESIGN §3) ------------------------------------------------------
@@ -137,13 +149,16 @@ class EngineCore:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             self._check_not_stuck()
             return []
         result = self.runner.execute(plan)
         changed = self.scheduler.update_from_output(plan, result.sampled)
-        return [self._step_output(r, result) for r in changed]
+        outputs = [self._step_output(r, result) for r in changed]
+        self.step_seconds.append(time.perf_counter() - start)
+        return outputs
 
     def _step_output(self, request: Request, result: RunnerOutput) -> EngineCoreOutput:
         logprobs = result.logprobs.get(request.request_id)

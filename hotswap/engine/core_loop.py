@@ -61,10 +61,14 @@ class EngineCoreLoop:
         try:
             while self.running:
                 self._process_inputs(block=not self.core.has_work())
-                if self.running and self.core.has_work():
-                    self.outputs.extend(self.core.step())
+                # Answer what the inputs settled (resume, a pause already complete) before
+                # the next step, which may take a while.
                 self._complete_pauses()
                 self._flush()
+                if self.running and self.core.has_work():
+                    self.outputs.extend(self.core.step())
+                    self._complete_pauses()
+                    self._flush()
         except Exception:  # noqa: BLE001 - the engine is dead: tell every stream why
             logger.exception("engine core loop died")
             self.failed = True
