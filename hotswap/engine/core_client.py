@@ -148,16 +148,15 @@ class MPEngineClient(EngineCoreClient):
                 return
 
     def _send(self, kind: InputKind, payload: Any) -> None:
-        """Never blocks: with the core process gone a PUSH socket has no peer and a plain
-        send would wait forever; such sends are dropped (the death is reported already)."""
+        """Never blocks on a dead core: with the process gone a PUSH socket has no peer and
+        a plain send would wait forever, so we wait for room in short polls, checking the
+        process in between; sends to a dead core are dropped (its death is reported)."""
+        frames = encode_input(kind, payload)
         with self.send_lock:
-            if self.closed or self.process.poll() is not None:
-                return
-            try:
-                self.input.send_multipart(encode_input(kind, payload), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                if self.process.poll() is None:
-                    raise
+            while not self.closed and self.process.poll() is None:
+                if self.input.poll(self.POLL_MS, zmq.POLLOUT):
+                    self.input.send_multipart(frames, flags=zmq.NOBLOCK)
+                    return
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(InputKind.ADD, request)

@@ -8,6 +8,7 @@ through multiprocessing, so the parent's `__main__` is never re-imported (script
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import sys
@@ -22,6 +23,8 @@ from hotswap.engine.core_loop import EngineCoreLoop, InputKind
 from hotswap.engine.messages import EngineCoreOutputs
 from hotswap.engine.wire import READY, decode_input, encode_outputs
 
+logger = logging.getLogger(__name__)
+
 
 def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Process entry point. Loads the model, says READY, then serves until SHUTDOWN."""
@@ -35,11 +38,12 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
         output.close(linger=1000)
         raise
     inbox: queue.Queue[tuple[InputKind, Any]] = queue.Queue()
+    # Connected here, before READY, then owned by the reader thread alone.
+    sock = context.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(input_addr)
     reader = threading.Thread(
-        target=_read_inputs,
-        args=(context, input_addr, inbox),
-        name="hotswap-core-input",
-        daemon=True,
+        target=_read_inputs, args=(sock, inbox), name="hotswap-core-input", daemon=True
     )
     reader.start()
     output.send(READY)
@@ -51,18 +55,19 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
     os._exit(1 if loop.failed else 0)
 
 
-def _read_inputs(
-    context: zmq.Context, input_addr: str, inbox: queue.Queue[tuple[InputKind, Any]]
-) -> None:
-    """Owns the input socket (ZMQ sockets are not thread-safe) and feeds the loop's inbox."""
-    sock = context.socket(zmq.PULL)
-    sock.connect(input_addr)
-    while True:
-        kind, payload = decode_input(sock.recv_multipart())
-        inbox.put((kind, payload))
-        if kind == InputKind.SHUTDOWN:
-            sock.close(linger=0)
-            return
+def _read_inputs(sock: zmq.Socket, inbox: queue.Queue[tuple[InputKind, Any]]) -> None:
+    """Owns the input socket (ZMQ sockets are not thread-safe) and feeds the loop's inbox.
+    If it fails the process exits, so the front-end sees a dead core instead of a deaf one."""
+    try:
+        while True:
+            kind, payload = decode_input(sock.recv_multipart())
+            inbox.put((kind, payload))
+            if kind == InputKind.SHUTDOWN:
+                sock.close(linger=0)
+                return
+    except Exception:  # noqa: BLE001
+        logger.exception("engine core input reader died")
+        os._exit(1)
 
 
 def main(argv: list[str]) -> None:
