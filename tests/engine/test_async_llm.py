@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from hotswap import AsyncLLM, EngineDeadError, SamplingParams
+from hotswap import AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 from hotswap.engine.scheduler import PauseState
 from hotswap.outputs import RequestOutput
 
@@ -314,5 +314,42 @@ def test_soak_random_pause_resume_cycles(make_engine) -> None:
                 assert stream.finish_reason == "abort" and stream.num_tokens < budget
         await llm.pause_generation(mode="wait")
         await assert_no_leak(llm)
+
+    asyncio.run(scenario())
+
+
+def test_delta_outputs_concatenate_to_the_cumulative_result(make_engine) -> None:
+    async def scenario() -> None:
+        llm = make_engine()
+        base = dict(temperature=0.0, max_tokens=24, ignore_eos=True, n=2, seed=1)
+        cumulative = [o async for o in llm.generate("The quick", SamplingParams(**base))][-1]
+        deltas = [
+            o
+            async for o in llm.generate(
+                "The quick", SamplingParams(**base, output_kind=RequestOutputKind.DELTA)
+            )
+        ]
+        for index in range(2):
+            tokens = [t for d in deltas for c in d.outputs if c.index == index for t in c.token_ids]
+            text = "".join(c.text for d in deltas for c in d.outputs if c.index == index)
+            assert tokens == cumulative.outputs[index].token_ids
+            assert text == cumulative.outputs[index].text
+        assert deltas[-1].finished and sum(d.finished for d in deltas) == 1
+
+    asyncio.run(scenario())
+
+
+def test_shutdown_leaves_no_process_or_socket(make_engine, transport: str) -> None:
+    async def scenario() -> None:
+        llm = make_engine()
+        [o async for o in llm.generate("Pause", SamplingParams(max_tokens=4))]
+        llm.shutdown()
+        if transport == "process":
+            assert llm.client.process.poll() is not None
+            assert not os.path.exists(llm.client.tmpdir)
+        else:
+            assert llm.client.thread is None
+        with pytest.raises(EngineDeadError):
+            await llm.is_paused()
 
     asyncio.run(scenario())
