@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -77,7 +78,7 @@ class LLM:
     # -- internals ------------------------------------------------------------------------
     def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._ids))
-        params = _with_kind(params, RequestOutputKind.FINAL_ONLY)
+        params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         for child_id, child_params in self.processor.add_request(request_id, text, ids, params):
             self.engine.add_request(
                 EngineCoreRequest(
@@ -101,12 +102,6 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [finished[request_id] for request_id in order]
-
-
-def _with_kind(params: SamplingParams, kind: RequestOutputKind) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, output_kind=kind)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
