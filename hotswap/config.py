@@ -80,6 +80,7 @@ class EngineConfig:
     batch_invariant: bool = False
     device: str = "cpu"
     tokenizer: Path | None = None
+    enable_sleep_mode: bool = False
 
 
 @dataclass
@@ -101,6 +102,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     batch_invariant: bool = False
     device: str = "cpu"
+    enable_sleep_mode: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -124,6 +126,7 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             device=self.device,
             tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
+            enable_sleep_mode=self.enable_sleep_mode,
         )
 
     def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:

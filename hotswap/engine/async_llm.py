@@ -8,6 +8,7 @@ before it answers any control call carried in the same batch.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -16,16 +17,13 @@ from typing import Any
 from hotswap.config import EngineArgs
 from hotswap.engine.core import check_pause_mode
 from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient, MPEngineClient
+from hotswap.engine.errors import EngineDeadError, EngineStateError
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import Prompt, check_prompt, encode_prompt
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped; every pending stream and call fails with this."""
 
 
 class AsyncLLM:
@@ -57,6 +55,9 @@ class AsyncLLM:
         self._request_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: BaseException | None = None
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._finished: collections.Counter[str] = collections.Counter()
 
     # -- generation -----------------------------------------------------------------------
     async def generate(
@@ -94,6 +95,7 @@ class AsyncLLM:
         check_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
+        self._prompt_tokens += len(ids)
         for child_id, child_params in self.processor.add_request(request_id, text, ids, params):
             self.client.add_request(
                 EngineCoreRequest(
@@ -102,12 +104,17 @@ class AsyncLLM:
             )
         return stream
 
-    async def abort(self, request_ids: str | Iterable[str]) -> None:
-        """Abort requests; their streams end with finish_reason "abort"."""
+    async def abort(self, request_ids: str | Iterable[str] | None = None) -> int:
+        """Abort requests (None: all); their streams end with finish_reason "abort".
+        Returns how many of them were still unfinished."""
         self._start()
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        children = [child for rid in ids for child in self.processor.child_ids(rid)]
-        self.client.abort_requests(children)
+        if request_ids is None:
+            ids = list(self.processor.requests)
+        else:
+            ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        children = {rid: self.processor.child_ids(rid) for rid in ids}
+        self.client.abort_requests([child for group in children.values() for child in group])
+        return sum(1 for group in children.values() if group)
 
     # -- control --------------------------------------------------------------------------
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
@@ -124,8 +131,36 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return await self._call("is_paused")
 
-    async def reset_prefix_cache(self) -> int:
-        return await self._call("reset_prefix_cache")
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
+        """Forget cached prefixes (returns how many blocks were cached); with
+        `reset_running_requests` running requests recompute their KV too."""
+        if not isinstance(reset_running_requests, bool):
+            raise ValueError("reset_running_requests: must be a boolean")
+        return await self._call("reset_prefix_cache", reset_running_requests)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Pause with `mode`, then level 0 stops scheduling, 1 also frees the KV cache and
+        offloads the weights, 2 discards the weights (send or load them after waking)."""
+        await self._call("sleep", level, mode)
+
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Wake `tags` (weights, kv_cache, scheduling; None = all that sleep). Returns
+        {is_sleeping, tags_woken}."""
+        return await self._call("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call("is_sleeping")
+
+    async def load_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        """Reload all weights from a safetensors directory between two steps (all or
+        nothing) and commit a new version; returns {version, label}."""
+        return await self._call("load_weights_from_disk", model_path, weight_version)
+
+    async def get_weight_info(self) -> dict[str, Any]:
+        """{version, label, digest} of the loaded weights."""
+        return await self._call("get_weight_info")
 
     async def update_weight_version(self, label: str) -> dict[str, Any]:
         """Commit a new weight version (+1) labelled `label`; returns {version, label}."""
@@ -137,6 +172,15 @@ class AsyncLLM:
     async def get_stats(self) -> dict[str, Any]:
         """Queue sizes, KV usage, pause state and weight version of the engine core."""
         return await self._call("get_stats")
+
+    def front_end_stats(self) -> dict[str, Any]:
+        """Counters kept as requests pass this front-end: prompt and generated tokens,
+        finished requests by reason."""
+        return {
+            "prompt_tokens": self._prompt_tokens,
+            "generation_tokens": self._generation_tokens,
+            "finished_requests": dict(self._finished),
+        }
 
     def shutdown(self) -> None:
         self.client.shutdown()
@@ -172,6 +216,10 @@ class AsyncLLM:
         if batch.engine_error is not None:
             self._fail_all(EngineDeadError(f"engine core died:\n{batch.engine_error}"))
             return
+        for raw in batch.outputs:
+            self._generation_tokens += len(raw.new_token_ids)
+            if raw.finish_reason is not None:
+                self._finished[raw.finish_reason] += 1
         outputs, to_abort = self.processor.process(batch.outputs)
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -186,6 +234,8 @@ class AsyncLLM:
                 future.set_result(result.result)
             elif result.error_type in ("ValueError", "TypeError"):
                 future.set_exception(ValueError(result.error))
+            elif result.error_type == "EngineStateError":
+                future.set_exception(EngineStateError(result.error))
             else:
                 future.set_exception(RuntimeError(result.error))
 

@@ -6,12 +6,23 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
+from pathlib import Path
 
 from hotswap.config import EngineConfig
+from hotswap.engine.errors import EngineStateError
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobsMsg
 from hotswap.engine.prompts import check_prompt
 from hotswap.engine.request import Request, RequestStatus
 from hotswap.engine.scheduler import PauseState, Scheduler
+from hotswap.engine.sleep import (
+    KV_CACHE,
+    SCHEDULING,
+    WEIGHTS,
+    SleepState,
+    check_sleep_level,
+    check_wake_tags,
+    tags_for_level,
+)
 from hotswap.model.runner import ModelRunner, RunnerOutput
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -34,6 +45,8 @@ class EngineCore:
         self.weight_version = 0  # +1 per committed update
         self.weight_label = DEFAULT_WEIGHT_LABEL
         self.step_seconds: deque[float] = deque(maxlen=256)  # recent non-empty steps
+        self.sleep_state = SleepState()
+        self._digest: tuple[tuple[int, bool], str] | None = None  # cache key, digest
 
     # -- inputs ---------------------------------------------------------------------------
     def validate_request(self, req: EngineCoreRequest) -> None:
@@ -60,11 +73,17 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
+        """Forget every cached prefix. With `reset_running_requests`, running requests
+        also drop their KV and recompute it when next scheduled."""
+        if reset_running_requests:
+            self.scheduler.drop_running_kv()
         return self.scheduler.kv.reset_prefix_cache()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        # Nothing runs while any part sleeps or level-2 weights have not been sent again.
+        sleep = self.sleep_state
+        return not sleep.asleep and not sleep.weights_missing and self.scheduler.has_work()
 
     def get_stats(self) -> dict[str, int | float | str]:
         sched = self.scheduler
@@ -80,6 +99,9 @@ class EngineCore:
             "pause_state": sched.pause_state.name,
             "weight_version": self.weight_version,
             "weight_label": self.weight_label,
+            "is_sleeping": self.sleep_state.is_sleeping,
+            "sleep_level": self.sleep_state.level,
+            "weights_missing": self.sleep_state.weights_missing,
             **self._step_time_stats(),
         }
 
@@ -113,10 +135,85 @@ class EngineCore:
             self.reset_prefix_cache()
 
     def resume(self) -> None:
+        if self.sleep_state.is_sleeping:  # takes effect when scheduling wakes
+            self.sleep_state.resume_on_wake = True
+            return
         self.scheduler.set_pause_state(PauseState.UNPAUSED)
 
     def is_paused(self) -> bool:
         return self.scheduler.pause_state != PauseState.UNPAUSED
+
+    # -- sleep (spec "Sleep") -------------------------------------------------------------
+    def sleep(self, level: int, mode: str = "abort") -> list[EngineCoreOutput]:
+        """Pause with `mode`; once complete, `finish_sleep(level)` frees what the level
+        frees. Returns the outputs of requests aborted by the pause."""
+        if not self.config.enable_sleep_mode:
+            raise EngineStateError(
+                "sleep mode is not enabled: start the engine with enable_sleep_mode=True "
+                "(--enable-sleep-mode)"
+            )
+        check_sleep_level(level)
+        check_pause_mode(mode)
+        if not self.sleep_state.is_sleeping:
+            self.sleep_state.resume_on_wake = not self.is_paused()
+        return self.pause(mode, clear_cache=level >= 1)
+
+    def finish_sleep(self, level: int) -> None:
+        self.finish_pause(clear_cache=level >= 1)
+        # Frozen requests were preempted by the clear; only PAUSED_ALL keeps them waiting.
+        self.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+        if level >= 1:
+            self.runner.free_kv_cache()
+            if level == 2:
+                self.runner.residency.discard()
+            else:
+                self.runner.residency.offload()
+        state = self.sleep_state
+        state.level = max(state.level, level)
+        state.asleep |= tags_for_level(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, object]:
+        state = self.sleep_state
+        order = state.wake_order(check_wake_tags(tags))
+        for tag in order:
+            if tag == WEIGHTS and not self.runner.residency.restore():
+                state.weights_missing = True
+            elif tag == KV_CACHE:
+                self.runner.restore_kv_cache()
+            state.asleep.discard(tag)
+            if tag == SCHEDULING and state.resume_on_wake:
+                self.resume()
+        if not state.asleep:
+            state.level = 0
+        return {"is_sleeping": state.is_sleeping, "tags_woken": order}
+
+    def load_weights_from_disk(
+        self, model_dir: str, label: str | None = None
+    ) -> list[EngineCoreOutput]:
+        """Reload every weight from a safetensors directory (all or nothing) and commit a
+        new version; returns requests aborted by `max_weight_lag`. The loop runs this
+        between steps, so no step sees a half-loaded model."""
+        if label is not None and (not isinstance(label, str) or not label):
+            raise ValueError(f"weight_version: must be a non-empty string, got {label!r}")
+        if WEIGHTS in self.sleep_state.asleep:
+            raise EngineStateError("weights are asleep: wake_up(tags=['weights']) first")
+        if not isinstance(model_dir, str) or not model_dir or not Path(model_dir).is_dir():
+            raise ValueError(f"model_path: {model_dir!r} is not a directory")
+        try:
+            self.runner.load_weights_from_disk(Path(model_dir))
+        except FileNotFoundError as e:
+            raise ValueError(f"model_path: {e}") from e
+        self.sleep_state.weights_missing = False
+        return self.update_weight_version(label or model_dir)
+
+    def weights_digest(self) -> str | None:
+        """Digest of the loaded weights (cached per version); None while they sleep."""
+        if not self.runner.residency.resident:
+            return None
+        key = (self.weight_version, self.sleep_state.weights_missing)
+        if self._digest is None or self._digest[0] != key:
+            self._digest = (key, self.runner.weights_digest())
+        return self._digest[1]
 
     # -- weight versions -----------------------------------------------------------------
     def update_weight_version(self, label: str) -> list[EngineCoreOutput]:

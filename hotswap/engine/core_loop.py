@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hotswap.engine.core import EngineCore
+from hotswap.engine.errors import EngineStateError
 from hotswap.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -37,8 +38,11 @@ class InputKind(enum.IntEnum):
 
 @dataclass
 class PendingPause:
+    """A pause (or sleep) call answered once its condition holds; `complete` then finishes
+    it (clearing caches, freeing memory) and gives the call's result."""
+
     call_id: int
-    clear_cache: bool
+    complete: Callable[[], object]
 
 
 class EngineCoreLoop:
@@ -111,7 +115,13 @@ class EngineCoreLoop:
             return
         try:
             result = handler(call, *call.args)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, EngineStateError) as e:
+            self._answer(call.call_id, error=e)
+            return
+        except Exception as e:  # noqa: BLE001
+            # Control calls validate before they change anything (and roll back weight
+            # loads), so a failure is the caller's error, not the engine's death.
+            logger.exception("control call %s failed", call.method)
             self._answer(call.call_id, error=e)
             return
         if result is not _PENDING:
@@ -121,8 +131,28 @@ class EngineCoreLoop:
         if not isinstance(clear_cache, bool):
             raise ValueError(f"clear_cache: must be a boolean, got {clear_cache!r}")
         self.outputs.extend(self.core.pause(mode, clear_cache))
-        self.pending.append(PendingPause(call.call_id, clear_cache))
+        self.pending.append(PendingPause(call.call_id, lambda: self.core.finish_pause(clear_cache)))
         return _PENDING
+
+    def _call_sleep(self, call: UtilityCall, level: int, mode: str) -> object:
+        self.outputs.extend(self.core.sleep(level, mode))
+        self.pending.append(PendingPause(call.call_id, lambda: self.core.finish_sleep(level)))
+        return _PENDING
+
+    def _call_wake_up(self, call: UtilityCall, tags: list[str] | None) -> dict:
+        return self.core.wake_up(tags)
+
+    def _call_is_sleeping(self, call: UtilityCall) -> bool:
+        return self.core.sleep_state.is_sleeping
+
+    def _call_load_weights_from_disk(
+        self, call: UtilityCall, model_path: str, label: str | None
+    ) -> dict:
+        self.outputs.extend(self.core.load_weights_from_disk(model_path, label))
+        return self.core.get_weight_version()
+
+    def _call_get_weight_info(self, call: UtilityCall) -> dict:
+        return {**self.core.get_weight_version(), "digest": self.core.weights_digest()}
 
     def _call_resume(self, call: UtilityCall) -> None:
         self.core.resume()
@@ -130,8 +160,10 @@ class EngineCoreLoop:
     def _call_is_paused(self, call: UtilityCall) -> bool:
         return self.core.is_paused()
 
-    def _call_reset_prefix_cache(self, call: UtilityCall) -> int:
-        return self.core.reset_prefix_cache()
+    def _call_reset_prefix_cache(
+        self, call: UtilityCall, reset_running_requests: bool = False
+    ) -> int:
+        return self.core.reset_prefix_cache(reset_running_requests)
 
     def _call_update_weight_version(self, call: UtilityCall, label: str) -> dict:
         self.outputs.extend(self.core.update_weight_version(label))
@@ -147,8 +179,7 @@ class EngineCoreLoop:
         if not self.pending or not self.core.pause_complete():
             return
         for pause in self.pending:
-            self.core.finish_pause(pause.clear_cache)
-            self._answer(pause.call_id, None)
+            self._answer(pause.call_id, pause.complete())
         self.pending = []
 
     def _answer(self, call_id: int, result: object = None, error: Exception | None = None) -> None:

@@ -11,8 +11,10 @@ import json
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -24,6 +26,8 @@ from hotswap.engine.messages import EngineCoreOutputs
 from hotswap.engine.wire import READY, decode_input, encode_outputs
 
 logger = logging.getLogger(__name__)
+
+PARENT_POLL_S = 1.0
 
 
 def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
@@ -70,8 +74,21 @@ def _read_inputs(sock: zmq.Socket, inbox: queue.Queue[tuple[InputKind, Any]]) ->
         os._exit(1)
 
 
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the front-end process is gone (killed without a chance to shut us down),
+    so no orphaned engine keeps its memory."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
 def main(argv: list[str]) -> None:
     input_addr, output_addr, args_json = argv
+    # Ctrl-C reaches the whole process group; the front-end owns our shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(
+        target=_watch_parent, args=(os.getppid(),), name="hotswap-parent-watch", daemon=True
+    ).start()
     config = EngineArgs(**json.loads(args_json)).create_engine_config()
     run_engine_core_process(config, input_addr, output_addr)
 

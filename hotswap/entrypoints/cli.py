@@ -1,4 +1,4 @@
-"""`hotswap` command line: `hotswap generate [--model M] PROMPT...`."""
+"""`hotswap` command line: `hotswap serve [MODEL]` and `hotswap generate [--model M] PROMPT...`."""
 
 from __future__ import annotations
 
@@ -56,6 +56,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bitwise-identical logits whatever the batch (slower)",
     )
+    group.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="allow /sleep: offload or drop weights and free the KV cache",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -77,7 +82,57 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    add_serve_parser(sub)
     return parser
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with the RL control plane")
+    serve.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="same as --model"
+    )
+    add_engine_args(serve)
+    group = serve.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    group.add_argument("--served-model-name", default=None)
+    group.add_argument(
+        "--enable-control",
+        action="store_true",
+        help="RL control plane (pause/resume, weights, sleep); also HOTSWAP_SERVER_DEV_MODE=1",
+    )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    group.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    import os
+
+    from hotswap.default_model import DEFAULT_MODEL_NAME
+    from hotswap.entrypoints.api_server import ServerConfig, run_server
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"model: given twice ({args.model_tag!r} and --model {args.model!r})")
+    model = args.model_tag or args.model
+    # vLLM's compatibility switch for its dev-mode routes.
+    dev_mode = os.environ.get("HOTSWAP_SERVER_DEV_MODE", "0") not in ("", "0", "false")
+    config = ServerConfig(
+        served_model_name=args.served_model_name or model or DEFAULT_MODEL_NAME,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        enable_control=args.enable_control or dev_mode,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        log_level=args.log_level,
+    )
+    run_server(config, model, engine_kwargs(args))
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -108,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             run_generate(args)
+        elif args.command == "serve":
+            run_serve(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"hotswap: error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -14,7 +16,8 @@ from hotswap.model.attention import (
     TorchPagedAttention,
     build_metadata,
 )
-from hotswap.model.loader import build_model
+from hotswap.model.loader import build_model, load_checkpoint
+from hotswap.model.residency import WeightResidency
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs
 
 
@@ -44,6 +47,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(config.model.seed)
+        self.residency = WeightResidency(self.model)
 
     # -- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -70,6 +74,41 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(spec.num_layers)
         ]
+
+    def free_kv_cache(self) -> None:
+        """Release the KV memory (sleep); the scheduler must hold no block by now."""
+        spec = self.model.spec
+        empty = torch.empty(0, dtype=self.config.model.dtype)
+        self.kv_caches = [(empty, empty)] * spec.num_layers
+        self.model.bind_kv_cache(self.kv_caches)
+
+    def restore_kv_cache(self) -> None:
+        if self.kv_caches and self.kv_caches[0][0].numel() == 0:
+            self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+            self.model.bind_kv_cache(self.kv_caches)
+
+    # -- weights --------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights_from_disk(self, model_dir: Path) -> None:
+        """All or nothing: the checkpoint must cover every weight with the right shapes;
+        on any failure the previous weights are put back before the error is raised."""
+        saved = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        try:
+            load_checkpoint(self.model, model_dir, progress=False)
+        except BaseException:
+            for name, param in self.model.named_parameters():
+                param.copy_(saved[name])
+            raise
+
+    def weights_digest(self) -> str:
+        """blake2b over every parameter's name, dtype, shape and bytes, in name order."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name, param in sorted(self.model.named_parameters()):
+            data = param.detach().contiguous().cpu()
+            digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+            if data.numel():
+                digest.update(data.view(torch.uint8).numpy())
+        return digest.hexdigest()
 
     # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()

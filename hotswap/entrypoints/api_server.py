@@ -1,0 +1,156 @@
+"""`hotswap serve`: the FastAPI app (OpenAI API, RL control plane, metrics) and its server.
+
+The engine core runs in its own process; this process tokenizes, streams and answers HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request, Response
+
+from hotswap.engine.async_llm import AsyncLLM
+from hotswap.entrypoints.errors import error_response, install_error_handlers
+from hotswap.entrypoints.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 10.0
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    enable_control: bool = False
+    enable_prompt_tokens_details: bool = False
+    log_level: str = "info"
+
+
+def get_engine(request: Request) -> AsyncLLM:
+    return request.app.state.engine
+
+
+def get_server_config(request: Request) -> ServerConfig:
+    return request.app.state.server_config
+
+
+def get_metrics(request: Request) -> ServerMetrics:
+    return request.app.state.metrics
+
+
+basic_router = APIRouter()
+
+
+@basic_router.get("/health")
+async def health(request: Request) -> Response:
+    """200 once the engine core answers a call; 503 when it is dead or stuck."""
+    try:
+        await asyncio.wait_for(get_engine(request).is_paused(), HEALTH_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - any failure means "not healthy"
+        return error_response(503, f"engine is not available: {type(e).__name__}: {e}")
+    return Response(status_code=200)
+
+
+@basic_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body = await get_metrics(request).render(get_engine(request))
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
+    from hotswap.entrypoints.control import control_router, sglang_router
+    from hotswap.entrypoints.openai.routes import openai_router
+
+    app = FastAPI(title="hotswap", version="0.1.0")
+    app.state.engine = engine
+    app.state.server_config = config
+    app.state.metrics = ServerMetrics(config.served_model_name)
+    install_error_handlers(app)
+    if config.api_key:
+        app.middleware("http")(_api_key_guard(config.api_key))
+    app.include_router(basic_router)
+    app.include_router(openai_router)
+    if config.enable_control:
+        app.include_router(control_router)
+        app.include_router(sglang_router)
+    return app
+
+
+def _api_key_guard(
+    api_key: str,
+) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
+    expected = f"Bearer {api_key}".encode()
+
+    async def guard(request: Request, call_next: Callable) -> Response:
+        if request.url.path in OPEN_PATHS:
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return error_response(401, "Unauthorized: missing or wrong API key (Bearer token)")
+        return await call_next(request)
+
+    return guard
+
+
+class _Server(uvicorn.Server):
+    """Prints the URL once the socket is serving (tests and scripts wait for that line)."""
+
+    def __init__(self, config: uvicorn.Config, url: str, model: str) -> None:
+        super().__init__(config)
+        self.url = url
+        self.model = model
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(f"hotswap: serving {self.model} at {self.url}", flush=True)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_server(config: ServerConfig, model: str | None, engine_kwargs: dict) -> None:
+    """Bind first (port 0 picks a free port), start the engine process, then serve until
+    Ctrl-C / SIGTERM; the engine process is always shut down on the way out."""
+    sock = bind_socket(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    engine = AsyncLLM(model, multiprocess=True, **engine_kwargs)
+    try:
+        app = build_app(engine, config)
+        uv_config = uvicorn.Config(
+            app, log_level=config.log_level, timeout_graceful_shutdown=5, access_log=False
+        )
+        server = _Server(uv_config, url, config.served_model_name)
+        # uvicorn re-raises the Ctrl-C / SIGTERM it caught once it has shut down; both
+        # end here, so the engine process is always shut down below.
+        signal.signal(signal.SIGTERM, _interrupt)
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        engine.shutdown()
+        sock.close()
+    print("hotswap: server stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,270 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, then one engine request."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request, Response
+
+from hotswap.engine.async_llm import AsyncLLM
+from hotswap.entrypoints.api_server import get_engine, get_server_config
+from hotswap.entrypoints.errors import APIError
+from hotswap.entrypoints.openai.params import (
+    EnginePrompt,
+    base_request_id,
+    check_context_length,
+    check_model,
+    check_unsupported,
+    completion_max_tokens,
+    max_tokens_param,
+    prepare_prompt,
+    sampling_params,
+    served_model_name,
+)
+from hotswap.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChoiceLogProbs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from hotswap.entrypoints.openai.serving import (
+    MergedStream,
+    clamp_logprob,
+    collect_final,
+    make_usage,
+    token_text,
+    weight_spans,
+)
+from hotswap.entrypoints.openai.streaming import (
+    SSE_DONE,
+    SSEResponse,
+    StreamTracker,
+    continuous_usage,
+    sse,
+    sse_error,
+)
+from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class ChatContext:
+    id: str
+    model: str
+    body: ChatCompletionRequest
+    prompt: EnginePrompt
+    role: str
+    echo_text: str
+    cached_details: bool
+    created: int
+
+    def chunk(self, choices: list[ChatStreamChoice], **extra: object) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, **extra
+        )
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    engine = get_engine(request)
+    check_model(request, body.model)
+    check_unsupported(body)
+    _check_chat_options(body)
+    max_tokens = completion_max_tokens(body)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=body.stream)
+    prompt = render_chat(engine, body)
+    check_context_length(engine, prompt, max_tokens, max_tokens_param(body))
+    role = "assistant" if body.add_generation_prompt else body.messages[-1]["role"]
+    ctx = ChatContext(
+        id=base_request_id(request, body.request_id, "chatcmpl"),
+        model=served_model_name(request),
+        body=body,
+        prompt=prompt,
+        role=role,
+        echo_text=_echo_text(body, role),
+        cached_details=get_server_config(request).enable_prompt_tokens_details,
+        created=int(time.time()),
+    )
+    stream = MergedStream(engine, [prompt], sampling, [ctx.id])
+    await stream.start()
+    headers = {"X-Request-Id": ctx.id}
+    if body.stream:
+        return SSEResponse(stream_chat(ctx, stream), stream.close, headers)
+    (final,) = await collect_final(request, stream)
+    response = chat_response(ctx, final)
+    return Response(response.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def _check_chat_options(body: ChatCompletionRequest) -> None:
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", "body.top_logprobs")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message: cannot be combined with add_generation_prompt=true",
+            "body.continue_final_message",
+        )
+
+
+def render_chat(engine: AsyncLLM, body: ChatCompletionRequest) -> EnginePrompt:
+    text = apply_template(
+        engine,
+        body.messages,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        chat_template=body.chat_template,
+        documents=body.documents,
+        template_kwargs=body.chat_template_kwargs,
+    )
+    return prepare_prompt(
+        engine,
+        text,
+        add_special_tokens=body.add_special_tokens,
+        truncate=body.truncate_prompt_tokens,
+        param="body.messages",
+    )
+
+
+def apply_template(
+    engine: AsyncLLM,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template: str | None,
+    documents: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The conversation through the chat template; any failure is 400 on `body.messages`."""
+    try:
+        text = engine.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            documents=documents,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+    except Exception as e:  # jinja errors, raise_exception() in the template, bad kwargs
+        raise APIError(400, f"messages: chat template failed: {e}", "body.messages") from None
+    if not isinstance(text, str):
+        raise APIError(400, "messages: the chat template did not render text", "body.messages")
+    return text
+
+
+def _echo_text(body: ChatCompletionRequest, role: str) -> str:
+    """vLLM's `echo`: the last message's content, when it has the response's role."""
+    last = body.messages[-1]
+    if body.echo and last.get("role") == role and isinstance(last.get("content"), str):
+        return last["content"]
+    return ""
+
+
+def chat_response(ctx: ChatContext, final: RequestOutput) -> ChatCompletionResponse:
+    body = ctx.body
+    choices = [
+        ChatChoice(
+            index=comp.index,
+            message=ChatMessage(role=ctx.role, content=ctx.echo_text + comp.text),
+            logprobs=_logprobs(ctx, comp),
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
+            token_ids=list(comp.token_ids) if body.return_token_ids else None,
+            weight_versions=weight_spans(comp.weight_versions),
+        )
+        for comp in final.outputs
+    ]
+    num_completion = sum(len(c.token_ids) for c in final.outputs)
+    cached = final.num_cached_tokens if ctx.cached_details else None
+    return ChatCompletionResponse(
+        id=ctx.id,
+        created=ctx.created,
+        model=ctx.model,
+        choices=choices,
+        usage=make_usage(len(final.prompt_token_ids), num_completion, cached),
+        prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids else None,
+    )
+
+
+def _logprobs(ctx: ChatContext, comp: CompletionOutput) -> ChatChoiceLogProbs | None:
+    if not ctx.body.logprobs or comp.logprobs is None:
+        return None
+    as_ids = ctx.body.return_tokens_as_token_ids
+    top_k = ctx.body.top_logprobs or 0
+    content = []
+    for token_id, entries in zip(comp.token_ids, comp.logprobs):
+        sampled = entries.get(token_id)
+        ranked = [(lp.rank, t, lp) for t, lp in entries.items() if lp.rank is not None]
+        top = sorted(r for r in ranked if r[0] <= top_k)
+        content.append(
+            ChatLogProbsContent(
+                **_chat_logprob(token_id, sampled, as_ids).model_dump(),
+                top_logprobs=[_chat_logprob(t, lp, as_ids) for _, t, lp in top],
+            )
+        )
+    return ChatChoiceLogProbs(content=content)
+
+
+def _chat_logprob(token_id: int, logprob: Logprob | None, as_ids: bool) -> ChatLogProb:
+    token = token_text(token_id, logprob, as_ids)
+    value = clamp_logprob(logprob.logprob) if logprob is not None else clamp_logprob(float("-inf"))
+    return ChatLogProb(token=token, logprob=value, bytes=list(token.encode("utf-8", "replace")))
+
+
+async def stream_chat(ctx: ChatContext, stream: MergedStream) -> AsyncIterator[str]:
+    body = ctx.body
+    tracker = StreamTracker(body.n, [len(ctx.prompt.token_ids)])
+    try:
+        try:
+            for chunk in _opening_chunks(ctx):
+                yield sse(chunk)
+            async for _, output in stream.outputs():
+                for index, progress, delta in tracker.updates(0, output):
+                    usage = tracker.choice_usage(progress) if continuous_usage(body) else None
+                    yield sse(ctx.chunk([_stream_choice(ctx, index, delta)], usage=usage))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield sse(ctx.chunk([], usage=tracker.usage(ctx.cached_details)))
+        except Exception as e:  # the status line is sent: report in-band, as vLLM does
+            yield sse_error(e)
+        yield SSE_DONE
+    finally:
+        await stream.close()
+
+
+def _opening_chunks(ctx: ChatContext) -> list[ChatCompletionChunk]:
+    """The role of every choice first (with the prompt's token ids), then any echo."""
+    ids = list(ctx.prompt.token_ids) if ctx.body.return_token_ids else None
+    chunks = [
+        ctx.chunk(
+            [ChatStreamChoice(index=j, delta=DeltaMessage(role=ctx.role, content=""))],
+            prompt_token_ids=ids if j == 0 else None,
+        )
+        for j in range(ctx.body.n)
+    ]
+    if ctx.echo_text:
+        chunks += [
+            ctx.chunk([ChatStreamChoice(index=j, delta=DeltaMessage(content=ctx.echo_text))])
+            for j in range(ctx.body.n)
+        ]
+    return chunks
+
+
+def _stream_choice(ctx: ChatContext, index: int, delta: CompletionOutput) -> ChatStreamChoice:
+    return ChatStreamChoice(
+        index=index,
+        delta=DeltaMessage(content=delta.text),
+        logprobs=_logprobs(ctx, delta),
+        finish_reason=delta.finish_reason,
+        stop_reason=delta.stop_reason,
+        token_ids=list(delta.token_ids) if ctx.body.return_token_ids else None,
+        weight_versions=weight_spans(delta.weight_versions),
+    )

@@ -1,0 +1,178 @@
+"""From a validated request model to engine inputs: the model check, request ids,
+unsupported parameters, `SamplingParams` and prompt (length) checks."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from hotswap.engine.async_llm import AsyncLLM
+from hotswap.engine.prompts import check_prompt, encode_prompt
+from hotswap.entrypoints.api_server import get_server_config
+from hotswap.entrypoints.errors import APIError, param_of
+from hotswap.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+)
+from hotswap.sampling_params import RequestOutputKind, SamplingParams
+
+# field -> the values accepted (hotswap does not implement anything else)
+_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "use_beam_search": (False,),
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "priority": (0,),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+@dataclass
+class EnginePrompt:
+    """One prompt, tokenized and checked: what `AsyncLLM.generate` receives."""
+
+    text: str | None
+    token_ids: list[int]
+
+    def as_input(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self.token_ids, "prompt": self.text}
+
+
+def served_model_name(request: Request) -> str:
+    return get_server_config(request).served_model_name
+
+
+def check_model(request: Request, model: str | None) -> None:
+    """404 (as vLLM / OpenAI) unless `model` is omitted or names the served model."""
+    if model is not None and model != served_model_name(request):
+        raise APIError(404, f"The model `{model}` does not exist.", "body.model")
+
+
+def base_request_id(request: Request, body_id: str | None, prefix: str) -> str:
+    """The response id (= engine request id): X-Request-Id header, else the body's
+    `request_id`, else `{prefix}-{uuid}` (vLLM gives the header precedence too)."""
+    header = request.headers.get("x-request-id")
+    return header or body_id or f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_unsupported(body: SamplingRequest) -> None:
+    """400 for any parameter that hotswap would otherwise have to ignore."""
+    for name, accepted in _DEFAULT_ONLY.items():
+        value = getattr(body, name, None)
+        if not any(_same(value, ok) for ok in accepted):
+            raise APIError(
+                400,
+                f"{name}: {value!r} is not supported by hotswap (allowed: "
+                f"{', '.join(repr(v) for v in accepted)})",
+                f"body.{name}",
+            )
+    best_of = getattr(body, "best_of", None)
+    if best_of is not None and best_of != body.n:
+        raise APIError(400, f"best_of: must equal n ({body.n}) if given", "body.best_of")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            400, "stream_options: only allowed when stream is true", "body.stream_options"
+        )
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
+
+
+def sampling_params(
+    body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None, stream: bool
+) -> SamplingParams:
+    """Build (and so validate) the SamplingParams; a bad value becomes 400 `body.<field>`."""
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            max_weight_lag=body.max_weight_lag,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+    except ValueError as e:
+        raise _field_error(e, body) from None
+
+
+def _field_error(error: ValueError, body: SamplingRequest) -> APIError:
+    message = str(error)
+    field = param_of(message)
+    if field == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+        message = message.replace(field, "max_completion_tokens", 1)
+        field = "max_completion_tokens"
+    return APIError(400, message, f"body.{field}" if field else None)
+
+
+def completion_max_tokens(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return body.max_completion_tokens
+    return body.max_tokens
+
+
+def max_tokens_param(body: SamplingRequest) -> str:
+    if getattr(body, "max_completion_tokens", None) is not None:
+        return "body.max_completion_tokens"
+    return "body.max_tokens"
+
+
+def prepare_prompt(
+    engine: AsyncLLM,
+    prompt: str | list[int],
+    *,
+    add_special_tokens: bool = True,
+    truncate: int | None = None,
+    param: str = "body.prompt",
+) -> EnginePrompt:
+    """Tokenize and check one prompt (vocabulary, context length): 400 with `param`."""
+    if isinstance(prompt, str):
+        text, ids = prompt, engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    else:
+        text, ids = encode_prompt(engine.tokenizer, prompt)
+    if truncate is not None and len(ids) > truncate:
+        text, ids = None, ids[-truncate:]
+    try:
+        check_prompt(ids, engine.config.model.vocab_size, engine.config.scheduler.max_model_len)
+    except ValueError as e:
+        raise APIError(400, str(e), param) from None
+    return EnginePrompt(text, ids)
+
+
+def check_context_length(
+    engine: AsyncLLM, prompt: EnginePrompt, max_tokens: int | None, param: str
+) -> None:
+    """400, as vLLM, when the prompt plus max_tokens does not fit in the context."""
+    limit = engine.config.scheduler.max_model_len
+    num = len(prompt.token_ids)
+    if max_tokens is not None and num + max_tokens > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{num + max_tokens} tokens ({num} in the messages, {max_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion.",
+            param,
+        )

@@ -1,0 +1,377 @@
+"""Request models of the OpenAI-compatible API (vLLM's dialect).
+
+Unknown fields are rejected (400 naming the field) rather than silently ignored; OpenAI /
+vLLM parameters that hotswap does not implement are declared so that their default value
+is accepted, and `params.check_unsupported` rejects anything else. Value checks that
+`SamplingParams` already makes (temperature >= 0, ...) are left to it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+
+I64 = 2**63
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_N = 1024
+
+Int64 = Annotated[int, Field(ge=-I64, lt=I64)]
+NonNegInt64 = Annotated[int, Field(ge=0, lt=I64)]
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingRequest(RequestModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: Annotated[int, Field(le=MAX_N)] = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
+    min_p: float | None = None
+    seed: Annotated[int, Field(ge=-I64, lt=2**64)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt64] | None = None
+    ignore_eos: bool = False
+    min_tokens: NonNegInt64 = 0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    # hotswap extensions
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    request_id: Annotated[str, Field(min_length=1, max_length=512)] | None = None
+    max_weight_lag: NonNegInt64 | None = None
+    # accepted only at their defaults (see params.check_unsupported)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    length_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None
+    priority: int = 0
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return value
+        raise ValueError("must be a string or a list of strings")
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions. `prompt`: text, list of texts, token ids or list of those."""
+
+    prompt: Any
+    max_tokens: NonNegInt64 | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, value: Any) -> list[str] | list[list[int]]:
+        return normalize_prompts(value)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: NonNegInt64 | None = None
+    max_completion_tokens: NonNegInt64 | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    # no tool calling: accepted only when empty / "none"
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, value: Any) -> list[dict[str, Any]]:
+        return normalize_messages(value)
+
+
+class TokenizeRequest(RequestModel):
+    """POST /tokenize: `prompt` (text) or `messages` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, value: Any) -> list[dict[str, Any]] | None:
+        return None if value is None else normalize_messages(value)
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
+
+
+def normalize_prompts(value: Any) -> list[str] | list[list[int]]:
+    """A list of text prompts or a list of token-id prompts (never empty)."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a string, a list of strings, token ids or lists of token ids")
+    if all(isinstance(p, str) for p in value):
+        return value
+    if _is_token_ids(value):
+        return [value]
+    if all(_is_token_ids(p) for p in value):
+        if any(not p for p in value):
+            raise ValueError("a token-id prompt must contain at least one token")
+        return value
+    raise ValueError("must be a string, a list of strings, token ids or lists of token ids")
+
+
+def normalize_messages(value: Any) -> list[dict[str, Any]]:
+    """Messages with `content` as a string (text parts joined by newlines, as vLLM does)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a non-empty list of messages")
+    return [_normalize_message(i, m) for i, m in enumerate(value)]
+
+
+def _normalize_message(index: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"message {index}: must be an object with a string 'role'")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return dict(message)
+    if not isinstance(content, list):
+        raise ValueError(f"message {index}: content must be a string or a list of parts")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict) and part.get("type") == "text" and "text" in part:
+            texts.append(str(part["text"]))
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(
+                f"message {index}: content part of type {kind!r} is not supported (text only)"
+            )
+    return {**message, "content": "\n".join(texts)}
+
+
+# -- responses ----------------------------------------------------------------------------
+
+
+class ResponseModel(BaseModel):
+    """Serializes every field, except that the optional extensions named in `omit_if_none`
+    are left out while unset (so `token_ids` appears only with `return_token_ids`)."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_extensions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in self.omit_if_none:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(ResponseModel):
+    omit_if_none = frozenset({"prompt_tokens_details"})
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class WeightVersionSpanInfo(ResponseModel):
+    version: int
+    label: str
+    start: int
+    end: int
+    stale: bool = False
+
+
+class CompletionLogProbs(ResponseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(ResponseModel):
+    """A choice of a completion response, or of one stream chunk."""
+
+    omit_if_none = frozenset({"token_ids", "prompt_token_ids"})
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+
+
+class CompletionResponse(ResponseModel):
+    """A completion, or (object `text_completion` too, as OpenAI does) one stream chunk."""
+
+    omit_if_none = frozenset({"usage"})
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class ChatLogProb(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(ResponseModel):
+    content: list[ChatLogProbsContent] | None = None
+    refusal: list[ChatLogProbsContent] | None = None
+
+
+class ChatMessage(ResponseModel):
+    role: str
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class DeltaMessage(ResponseModel):
+    omit_if_none = frozenset({"role", "content"})
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(ResponseModel):
+    omit_if_none = frozenset({"token_ids"})
+    index: int
+    message: ChatMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+
+
+class ChatStreamChoice(ResponseModel):
+    omit_if_none = frozenset({"token_ids"})
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+
+
+class ChatCompletionResponse(ResponseModel):
+    omit_if_none = frozenset({"prompt_token_ids", "usage"})
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    omit_if_none = frozenset({"prompt_token_ids", "usage"})
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "hotswap"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ModelList(ResponseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    omit_if_none = frozenset({"token_strs"})
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str

@@ -1,0 +1,45 @@
+"""The routes of the OpenAI-compatible API; `api_server.build_app` includes `openai_router`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+
+from hotswap.entrypoints.openai.chat import create_chat_completion
+from hotswap.entrypoints.openai.completions import create_completion
+from hotswap.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from hotswap.entrypoints.openai.tokenization import detokenize, list_models, tokenize
+
+openai_router = APIRouter()
+
+
+@openai_router.get("/v1/models")
+async def models(request: Request) -> ModelList:
+    return list_models(request)
+
+
+@openai_router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    return await create_completion(body, request)
+
+
+@openai_router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    return await create_chat_completion(body, request)
+
+
+@openai_router.post("/tokenize")
+async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    return tokenize(body, request)
+
+
+@openai_router.post("/detokenize")
+async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    return detokenize(body, request)

@@ -1,0 +1,72 @@
+"""POST /tokenize and /detokenize (vLLM's shapes) and GET /v1/models."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+
+from hotswap.entrypoints.api_server import get_engine
+from hotswap.entrypoints.errors import APIError
+from hotswap.entrypoints.openai.chat import apply_template
+from hotswap.entrypoints.openai.params import check_model, served_model_name
+from hotswap.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+
+def list_models(request: Request) -> ModelList:
+    engine = get_engine(request)
+    card = ModelCard(
+        id=served_model_name(request),
+        created=int(time.time()),
+        root=str(engine.config.model.path),
+        max_model_len=engine.config.scheduler.max_model_len,
+    )
+    return ModelList(data=[card])
+
+
+def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    engine = get_engine(request)
+    check_model(request, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "prompt: give exactly one of 'prompt' or 'messages'", "body.prompt")
+    if body.messages is not None:
+        text = apply_template(
+            engine,
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template=body.chat_template,
+            template_kwargs=body.chat_template_kwargs,
+        )
+        add_special = bool(body.add_special_tokens)
+    else:
+        text = body.prompt or ""
+        add_special = body.add_special_tokens is not False
+    ids = engine.tokenizer.encode(text, add_special_tokens=add_special)
+    return TokenizeResponse(
+        count=len(ids),
+        max_model_len=engine.config.scheduler.max_model_len,
+        tokens=ids,
+        token_strs=engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+    )
+
+
+def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    engine = get_engine(request)
+    check_model(request, body.model)
+    vocab = engine.config.model.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"tokens: token id {bad} is outside the vocabulary (integers 0..{vocab - 1})",
+            "body.tokens",
+        )
+    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
