@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 
-.PHONY: venv run test test-fast lint bench clean
+.PHONY: venv run generate test test-fast lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,11 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# The main job: the OpenAI-compatible server with the RL control plane, default model.
 run: venv
+	$(VENV)/bin/hotswap serve --enable-control --enable-sleep-mode
+
+generate: venv
 	$(VENV)/bin/hotswap generate "$(PROMPT)" --max-tokens 48
 
 # The whole suite (what CI runs); `make test-fast` skips the tests marked slow.
@@ -35,6 +39,8 @@ lint: venv
 
 bench: venv
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/pause_resume.py
+	$(PY) benchmarks/serve.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
