@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from hotswap.weight_transfer.engine import WeightTransferConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -81,6 +83,7 @@ class EngineConfig:
     device: str = "cpu"
     tokenizer: Path | None = None
     enable_sleep_mode: bool = False
+    weight_transfer: WeightTransferConfig | None = None
 
 
 @dataclass
@@ -103,6 +106,8 @@ class EngineArgs:
     batch_invariant: bool = False
     device: str = "cpu"
     enable_sleep_mode: bool = False
+    # JSON text or dict, e.g. {"backend": "gloo"} (see hotswap.weight_transfer)
+    weight_transfer_config: str | dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -127,6 +132,7 @@ class EngineArgs:
             device=self.device,
             tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
             enable_sleep_mode=self.enable_sleep_mode,
+            weight_transfer=WeightTransferConfig.parse(self.weight_transfer_config),
         )
 
     def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:

@@ -158,6 +158,30 @@ class AsyncLLM:
         nothing) and commit a new version; returns {version, label}."""
         return await self._call("load_weights_from_disk", model_path, weight_version)
 
+    # -- weight transfer: the four phases (DESIGN §4) ------------------------------------
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the trainer's channel (backend-specific `init_info`); may block until the
+        trainer joins too."""
+        await self._call("init_weight_transfer_engine", init_info)
+
+    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        """Open a round: no model step runs until it is finished or aborted."""
+        await self._call("start_weight_update", is_checkpoint_format)
+
+    async def update_weights(self, update_info: dict[str, Any]) -> int:
+        """Receive one chunk (validated, staged; the model is not touched yet)."""
+        return await self._call("update_weights", update_info)
+
+    async def finish_weight_update(
+        self, weight_version: str | None = None, abort: bool = False
+    ) -> dict[str, Any]:
+        """Apply the staged weights all at once and commit version + 1 labelled
+        `weight_version`; `abort=True` drops the round instead. Returns {version, label}."""
+        return await self._call("finish_weight_update", weight_version, abort)
+
+    async def get_world_size(self) -> int:
+        return await self._call("get_world_size")
+
     async def get_weight_info(self) -> dict[str, Any]:
         """{version, label, digest} of the loaded weights."""
         return await self._call("get_weight_info")

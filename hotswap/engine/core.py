@@ -8,6 +8,8 @@ from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
 from hotswap.config import EngineConfig
 from hotswap.engine.errors import EngineStateError
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobsMsg
@@ -23,6 +25,7 @@ from hotswap.engine.sleep import (
     check_wake_tags,
     tags_for_level,
 )
+from hotswap.engine.weight_sync import WeightSync
 from hotswap.model.runner import ModelRunner, RunnerOutput
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -46,6 +49,11 @@ class EngineCore:
         self.weight_label = DEFAULT_WEIGHT_LABEL
         self.step_seconds: deque[float] = deque(maxlen=256)  # recent non-empty steps
         self.sleep_state = SleepState()
+        transfer = config.weight_transfer
+        self.round_timeout_s = transfer.round_timeout_s if transfer is not None else 0.0
+        self.weight_sync = WeightSync(
+            self.runner.model, config.weight_transfer, torch.device(config.device)
+        )
         self._digest: tuple[tuple[int, bool], str] | None = None  # cache key, digest
 
     # -- inputs ---------------------------------------------------------------------------
@@ -83,7 +91,9 @@ class EngineCore:
     def has_work(self) -> bool:
         # Nothing runs while any part sleeps or level-2 weights have not been sent again.
         sleep = self.sleep_state
-        return not sleep.asleep and not sleep.weights_missing and self.scheduler.has_work()
+        if sleep.asleep or sleep.weights_missing or self.weight_sync.round_open:
+            return False
+        return self.scheduler.has_work()
 
     def get_stats(self) -> dict[str, int | float | str]:
         sched = self.scheduler
@@ -206,6 +216,31 @@ class EngineCore:
         self.sleep_state.weights_missing = False
         return self.update_weight_version(label or model_dir)
 
+    # -- weight transfer (DESIGN §4) --------------------------------------------------------
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        if WEIGHTS in self.sleep_state.asleep:
+            raise EngineStateError("weights are asleep: wake_up(tags=['weights']) first")
+        self.weight_sync.start(is_checkpoint_format)
+
+    def finish_weight_update(
+        self, label: str | None = None, abort: bool = False
+    ) -> list[EngineCoreOutput]:
+        """Apply the round and commit version + 1 (`label`, or the current label). Returns
+        requests aborted by `max_weight_lag`."""
+        if label is not None and (not isinstance(label, str) or not label):
+            raise ValueError(f"weight_version: must be a non-empty string, got {label!r}")
+        if not isinstance(abort, bool):
+            raise ValueError("abort: must be a boolean")
+        checkpoint = (
+            self.weight_sync.round is not None and self.weight_sync.round.is_checkpoint_format
+        )
+        staged = self.weight_sync.finish(abort)
+        if staged is None:
+            return []
+        if self.weight_sync.covers_model(staged, checkpoint):
+            self.sleep_state.weights_missing = False
+        return self.update_weight_version(label or self.weight_label)
+
     def weights_digest(self) -> str | None:
         """Digest of the loaded weights (cached per version); None while they sleep."""
         if not self.runner.residency.resident:
@@ -246,6 +281,10 @@ class EngineCore:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
+        if self.weight_sync.round_open:  # the loop never gets here; direct callers might
+            raise EngineStateError(
+                "a weight update round is open: no step runs until finish_weight_update"
+            )
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:

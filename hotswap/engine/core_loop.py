@@ -28,6 +28,8 @@ from hotswap.engine.messages import (
 
 logger = logging.getLogger(__name__)
 
+ROUND_POLL_S = 1.0
+
 
 class InputKind(enum.IntEnum):
     ADD = 0
@@ -80,7 +82,14 @@ class EngineCoreLoop:
 
     # -- inputs ---------------------------------------------------------------------------
     def _process_inputs(self, block: bool) -> None:
-        if block:
+        if block and self.core.weight_sync.round_open:
+            # Wake up now and then to abort a round whose trainer went away.
+            try:
+                self._handle(*self.inbox.get(timeout=ROUND_POLL_S))
+            except queue.Empty:
+                self.core.weight_sync.expire(self.core.round_timeout_s)
+                return
+        elif block:
             self._handle(*self.inbox.get())
         while self.running:
             try:
@@ -150,6 +159,23 @@ class EngineCoreLoop:
     ) -> dict:
         self.outputs.extend(self.core.load_weights_from_disk(model_path, label))
         return self.core.get_weight_version()
+
+    def _call_init_weight_transfer_engine(self, call: UtilityCall, init_info: dict) -> None:
+        self.core.weight_sync.init(init_info)
+
+    def _call_start_weight_update(self, call: UtilityCall, is_checkpoint_format: bool) -> None:
+        self.core.start_weight_update(is_checkpoint_format)
+
+    def _call_update_weights(self, call: UtilityCall, update_info: dict) -> int:
+        return self.core.weight_sync.update(update_info)
+
+    def _call_finish_weight_update(self, call: UtilityCall, label: str | None, abort: bool) -> dict:
+        self.outputs.extend(self.core.finish_weight_update(label, abort))
+        return self.core.get_weight_version()
+
+    def _call_get_world_size(self, call: UtilityCall) -> int:
+        transfer = self.core.weight_sync.transfer
+        return transfer.world_size() if transfer is not None else 1
 
     def _call_get_weight_info(self, call: UtilityCall) -> dict:
         return {**self.core.get_weight_version(), "digest": self.core.weights_digest()}

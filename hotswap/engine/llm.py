@@ -75,6 +75,29 @@ class LLM:
     def reset_prefix_cache(self) -> int:
         return self.engine.reset_prefix_cache()
 
+    # -- weights (DESIGN §4): the four phases, a version label, what is loaded ------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.engine.weight_sync.init(init_info)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.engine.start_weight_update(is_checkpoint_format)
+
+    def update_weights(self, update_info: dict[str, Any]) -> int:
+        return self.engine.weight_sync.update(update_info)
+
+    def finish_weight_update(
+        self, weight_version: str | None = None, abort: bool = False
+    ) -> dict[str, Any]:
+        self.engine.finish_weight_update(weight_version, abort)
+        return self.engine.get_weight_version()
+
+    def update_weight_version(self, label: str) -> dict[str, Any]:
+        self.engine.update_weight_version(label)
+        return self.engine.get_weight_version()
+
+    def get_weight_info(self) -> dict[str, Any]:
+        return {**self.engine.get_weight_version(), "digest": self.engine.weights_digest()}
+
     # -- internals ------------------------------------------------------------------------
     def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._ids))

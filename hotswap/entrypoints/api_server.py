@@ -73,6 +73,7 @@ async def metrics(request: Request) -> Response:
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     from hotswap.entrypoints.control import control_router, sglang_router
     from hotswap.entrypoints.openai.routes import openai_router
+    from hotswap.entrypoints.weights import weights_router
 
     app = FastAPI(title="hotswap", version="0.1.0")
     app.state.engine = engine
@@ -86,6 +87,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     if config.enable_control:
         app.include_router(control_router)
         app.include_router(sglang_router)
+        app.include_router(weights_router)
     return app
 
 

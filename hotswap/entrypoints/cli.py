@@ -57,6 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="bitwise-identical logits whatever the batch (slower)",
     )
     group.add_argument(
+        "--weight-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='weight transfer backend, e.g. \'{"backend": "gloo"}\' (gloo, nccl, ipc, disk)',
+    )
+    group.add_argument(
         "--enable-sleep-mode",
         action="store_true",
         help="allow /sleep: offload or drop weights and free the KV cache",

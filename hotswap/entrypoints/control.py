@@ -41,8 +41,8 @@ async def _resume(request: Request) -> None:
     get_metrics(request).observe_resume(time.perf_counter() - start)
 
 
-async def _json_object(request: Request) -> dict[str, Any]:
-    """An optional JSON object body: empty means {}."""
+async def json_object(request: Request, allow_list: bool = False) -> Any:
+    """An optional JSON object body (or list, if allowed): empty means {}."""
     raw = await request.body()
     if not raw.strip():
         return {}
@@ -50,7 +50,7 @@ async def _json_object(request: Request) -> dict[str, Any]:
         body = json.loads(raw)
     except ValueError:
         raise bad_request("Invalid JSON format", "body") from None
-    if not isinstance(body, dict):
+    if not isinstance(body, dict) and not (allow_list and isinstance(body, list)):
         raise bad_request("body: must be a JSON object", "body")
     return body
 
@@ -79,7 +79,7 @@ async def is_paused(request: Request) -> dict:
 async def abort_requests(request: Request) -> dict:
     """Abort the listed requests, or all when `request_ids` is absent or empty; does not
     pause."""
-    ids = (await _json_object(request)).get("request_ids")
+    ids = (await json_object(request)).get("request_ids")
     if ids is not None and (not isinstance(ids, list) or not all(isinstance(i, str) for i in ids)):
         raise bad_request("request_ids: must be a list of strings", "body.request_ids")
     aborted = await get_engine(request).abort(ids or None)
@@ -154,7 +154,7 @@ SGLANG_PAUSE_MODES = {
 
 @sglang_router.post("/pause_generation")
 async def pause_generation(request: Request) -> dict:
-    mode = (await _json_object(request)).get("mode", "abort")
+    mode = (await json_object(request)).get("mode", "abort")
     if mode not in SGLANG_PAUSE_MODES:
         raise bad_request(
             f"mode: must be one of {', '.join(SGLANG_PAUSE_MODES)}, got {mode!r}", "body.mode"

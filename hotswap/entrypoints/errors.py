@@ -55,7 +55,8 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def param_of(message: str) -> str | None:
     """Engine errors start with the offending field (`"max_tokens: must be ..."`)."""
     head = message.split(":", 1)[0]
-    return head if head.replace("_", "").replace(".", "").isalnum() else None
+    plain = head.replace("_", "").replace(".", "").replace("[", "").replace("]", "")
+    return head if plain.isalnum() else None
 
 
 def validation_param(loc: tuple[Any, ...] | list[Any]) -> str:

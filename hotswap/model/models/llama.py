@@ -267,6 +267,26 @@ class LlamaForCausalLM(nn.Module):
                 keys.add(name)
         return keys
 
+    def parameter_index(self) -> dict[str, nn.Parameter]:
+        """name -> parameter, built once (parameters keep their identity; sleep and
+        loading only swap or write their data)."""
+        if getattr(self, "_parameter_index", None) is None:
+            self._parameter_index = dict(self.named_parameters())
+        return self._parameter_index
+
+    def checkpoint_view(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """Where checkpoint tensor `name` is loaded: (key as in `load_weights`' result,
+        the parameter slice), or None for names the model ignores. ValueError if unknown."""
+        target = self._map_name(name)
+        if target is None:
+            return None
+        param_name, shard = target
+        params = self.parameter_index()
+        if param_name not in params:
+            raise ValueError(f"weights: unknown parameter {name!r}")
+        key = f"{param_name}#{shard}" if shard is not None else param_name
+        return key, self._shard_view(params[param_name], param_name, shard)
+
     def checkpoint_name(self, key: str) -> str:
         """The checkpoint tensor a key of `expected_checkpoint_keys()` is loaded from
         (the inverse of `_map_name`), for error messages."""

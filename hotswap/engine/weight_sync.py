@@ -1,0 +1,231 @@
+"""The engine side of the four-phase weight update (DESIGN §4).
+
+A round stages every received tensor, validated before it is received into the stage
+(names, shapes, dtypes); the model is written only at `finish`, all at once, with a backup
+of the touched parameters put back if writing fails. So a round that fails anywhere (bad
+chunk, dead trainer, timeout) leaves the engine serving its previous weights, and no step
+ever sees a half-updated model (the engine runs no step while a round is open).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hotswap.engine.errors import EngineStateError
+from hotswap.weight_transfer.base import ParamMeta
+from hotswap.weight_transfer.engine import (
+    WeightTransferConfig,
+    WeightTransferEngine,
+    create_transfer_engine,
+    get_backend,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    is_checkpoint_format: bool
+    started: float = field(default_factory=time.monotonic)
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class WeightSync:
+    def __init__(
+        self, model: nn.Module, config: WeightTransferConfig | None, device: torch.device
+    ) -> None:
+        self.model, self.config, self.device = model, config, device
+        self.transfer: WeightTransferEngine | None = None
+        self.round: Round | None = None
+
+    @property
+    def round_open(self) -> bool:
+        return self.round is not None
+
+    def _require_config(self) -> WeightTransferConfig:
+        if self.config is None:
+            raise EngineStateError(
+                "weight transfer is not configured: start the engine with "
+                'weight_transfer_config (--weight-transfer-config \'{"backend": "gloo"}\')'
+            )
+        return self.config
+
+    # -- phases ---------------------------------------------------------------------------
+    def init(self, init_info: object) -> None:
+        config = self._require_config()
+        if self.round_open:
+            raise EngineStateError("init_weight_transfer_engine: a round is open; finish it")
+        if not isinstance(init_info, dict):
+            raise ValueError("init_info: must be a JSON object")
+        engine = create_transfer_engine(config, self.device)
+        engine.init_transfer_engine(init_info)
+        if self.transfer is not None:
+            self.transfer.shutdown()
+        self.transfer = engine
+
+    def start(self, is_checkpoint_format: object = True) -> None:
+        config = self._require_config()
+        if not isinstance(is_checkpoint_format, bool):
+            raise ValueError("is_checkpoint_format: must be a boolean")
+        if self.round_open:
+            raise EngineStateError(
+                "start_weight_update: a round is already open; call finish_weight_update first"
+            )
+        if self.transfer is None:
+            if get_backend(config.backend).needs_init:
+                raise EngineStateError(
+                    "start_weight_update: call init_weight_transfer_engine first"
+                )
+            self.init({})
+        assert self.transfer is not None
+        self.transfer.start_weight_update()
+        self.round = Round(is_checkpoint_format)
+
+    def update(self, update_info: object) -> int:
+        """Receive one chunk into the stage; returns how many tensors it held."""
+        if self.round is None or self.transfer is None:
+            raise EngineStateError("update_weights: no round is open; call start_weight_update")
+        if not isinstance(update_info, dict):
+            raise ValueError("update_info: must be a JSON object")
+        metas = self.transfer.parse_update_info(update_info)
+        problems = [p for m in metas if (p := self._check(m)) is not None]
+        received = self.transfer.receive_weights(update_info, metas)
+        try:
+            if problems:
+                _drain(received)  # keep the channel in step with the sender
+                more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                raise ValueError(problems[0] + more)
+            for name, tensor in received:
+                self._check_received(name, tensor)
+                self.round.staged[name] = tensor
+        except ValueError:
+            raise  # refused chunk: nothing staged from it is used; the round stays open
+        except Exception as e:
+            self._fail_transport(e)
+        return len(metas)
+
+    def finish(self, abort: bool = False) -> dict[str, torch.Tensor] | None:
+        """Validate coverage and write the stage into the model (all or nothing). Returns
+        None when aborted; otherwise the round closes and the caller commits a version."""
+        if self.round is None:
+            raise EngineStateError("finish_weight_update: no round is open")
+        round_, self.round = self.round, None
+        if self.transfer is not None:
+            self.transfer.finish_weight_update()
+        if abort:
+            logger.info("weight update round aborted by the caller")
+            return None
+        if self.config is not None and self.config.require_complete:
+            self._check_complete(round_)
+        self._apply(round_)
+        return round_.staged
+
+    def expire(self, timeout_s: float) -> bool:
+        """Abort a round left open longer than `timeout_s` (a trainer that died between
+        calls); True if one was aborted."""
+        if self.round is None or time.monotonic() - self.round.started < timeout_s:
+            return False
+        logger.warning("weight update round open for over %.0f s: aborted", timeout_s)
+        self.round = None
+        return True
+
+    def covers_model(self, staged: Iterable[str], is_checkpoint_format: bool) -> bool:
+        return not self._missing(set(staged), is_checkpoint_format)
+
+    # -- validation -----------------------------------------------------------------------
+    def _target(self, name: str, checkpoint: bool) -> tuple[str, torch.Tensor] | None:
+        if checkpoint:
+            return self.model.checkpoint_view(name)
+        params = self.model.parameter_index()
+        if name not in params:
+            raise ValueError(f"weights: unknown parameter {name!r} (engine format)")
+        return name, params[name].data
+
+    def _check(self, meta: ParamMeta) -> str | None:
+        assert self.round is not None
+        try:
+            target = self._target(meta.name, self.round.is_checkpoint_format)
+        except ValueError as e:
+            return str(e)
+        if target is None:
+            return None  # a name the model ignores (e.g. rotary inv_freq)
+        dest = target[1]
+        if tuple(dest.shape) != meta.shape:
+            return (
+                f"weights: shape mismatch for {meta.name!r}: sent {list(meta.shape)}, "
+                f"model expects {list(dest.shape)}"
+            )
+        if dest.is_floating_point() != meta.dtype.is_floating_point:
+            return (
+                f"weights: dtype mismatch for {meta.name!r}: sent {meta.dtype}, model {dest.dtype}"
+            )
+        return None
+
+    def _check_received(self, name: str, tensor: torch.Tensor) -> None:
+        problem = self._check(ParamMeta.of(name, tensor))
+        if problem is not None:
+            raise ValueError(problem)
+
+    def _missing(self, staged: set[str], checkpoint: bool) -> list[str]:
+        if not checkpoint:
+            return sorted({n for n, _ in self.model.named_parameters()} - staged)
+        keys = set()
+        for name in staged:
+            target = self.model.checkpoint_view(name)
+            if target is not None:
+                keys.add(target[0])
+        return sorted(self.model.expected_checkpoint_keys() - keys)
+
+    def _check_complete(self, round_: Round) -> None:
+        missing = self._missing(set(round_.staged), round_.is_checkpoint_format)
+        if missing:
+            shown = ", ".join(missing[:3]) + (
+                f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            )
+            raise ValueError(
+                f"finish_weight_update: the round does not cover every weight (missing "
+                f"{shown}); require_complete is set, so nothing was applied"
+            )
+
+    # -- apply ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _apply(self, round_: Round) -> None:
+        params = self.model.parameter_index()
+        touched = set()
+        for name in round_.staged:
+            target = self._target(name, round_.is_checkpoint_format)
+            if target is not None:
+                touched.add(target[0].partition("#")[0])
+        backup = {name: params[name].detach().clone() for name in touched}
+        try:
+            if round_.is_checkpoint_format:
+                self.model.load_weights(round_.staged.items())
+            else:
+                for name, tensor in round_.staged.items():
+                    params[name].copy_(tensor)
+        except BaseException:
+            for name, saved in backup.items():
+                params[name].copy_(saved)
+            raise
+
+    def _fail_transport(self, error: Exception) -> None:
+        self.round = None
+        if self.transfer is not None:
+            self.transfer.shutdown()
+            self.transfer = None
+        raise EngineStateError(
+            f"update_weights: the transfer failed ({type(error).__name__}: {error}); the round "
+            f"was aborted, the engine keeps its previous weights; call "
+            f"init_weight_transfer_engine again"
+        ) from error
+
+
+def _drain(items: Iterator[tuple[str, torch.Tensor]]) -> None:
+    for _ in items:
+        pass

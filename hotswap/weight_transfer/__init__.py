@@ -1,0 +1,37 @@
+"""Weight transfer from a trainer into running engines (DESIGN §4).
+
+Public names are imported lazily: `hotswap.config` needs `WeightTransferConfig` while the
+backends themselves import model code that needs `hotswap.config`."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ParamMeta": "base",
+    "WeightSource": "base",
+    "ModuleSource": "base",
+    "TensorSource": "base",
+    "WeightTransferConfig": "engine",
+    "WeightTransferEngine": "engine",
+    "register_backend": "engine",
+    "TrainerInitInfo": "trainer",
+    "TrainerWeightTransferEngine": "trainer",
+    "WeightTransferTrainerFactory": "trainer",
+    "GlooTrainerInitInfo": "broadcast_trainer",
+    "NCCLTrainerInitInfo": "broadcast_trainer",
+    "IPCTrainerInitInfo": "ipc",
+    "DiskTrainerInitInfo": "disk",
+    "WeightSyncClient": "clients",
+    "WeightSyncError": "clients",
+    "HTTPWeightSyncClient": "clients",
+    "InProcessWeightSyncClient": "clients",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hotswap.weight_transfer' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"hotswap.weight_transfer.{_EXPORTS[name]}"), name)

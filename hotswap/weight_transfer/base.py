@@ -1,0 +1,172 @@
+"""What moves in a weight update and how both sides describe it (DESIGN §4).
+
+`ParamMeta` describes one tensor; a `WeightSource` has two channels, `metadata()` and
+iteration, that must agree element by element (the sender checks before any byte moves).
+Update infos are plain JSON: `names`, `dtype_names`, `shapes` of equal length.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    if dtype not in _NAMES:
+        raise ValueError(f"dtype: {dtype} cannot be transferred")
+    return _NAMES[dtype]
+
+
+def parse_dtype_name(name: object, field: str = "dtype_names") -> torch.dtype:
+    if not isinstance(name, str) or name.removeprefix("torch.") not in _DTYPES:
+        raise ValueError(f"{field}: unknown dtype {name!r}; choose from {', '.join(_DTYPES)}")
+    return _DTYPES[name.removeprefix("torch.")]
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> ParamMeta:
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+    def describe(self) -> str:
+        return f"{self.name} ({dtype_name(self.dtype)}, {list(self.shape)})"
+
+
+def metas_to_update_info(metas: Sequence[ParamMeta]) -> dict[str, Any]:
+    return {
+        "names": [m.name for m in metas],
+        "dtype_names": [dtype_name(m.dtype) for m in metas],
+        "shapes": [list(m.shape) for m in metas],
+    }
+
+
+def metas_from_update_info(info: object) -> list[ParamMeta]:
+    """The `names` / `dtype_names` / `shapes` lists of an update info, checked: equal
+    lengths, known dtypes, non-negative integer shapes. Raises ValueError naming the field."""
+    if not isinstance(info, dict):
+        raise ValueError("update_info: must be a JSON object")
+    lists = {}
+    for key in ("names", "dtype_names", "shapes"):
+        value = info.get(key)
+        if not isinstance(value, list):
+            raise ValueError(f"update_info.{key}: required, a list")
+        lists[key] = value
+    counts = {key: len(value) for key, value in lists.items()}
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"update_info: names, dtype_names and shapes differ in length {counts}")
+    metas = []
+    for i, (name, dtype, shape) in enumerate(zip(*lists.values())):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"update_info.names[{i}]: must be a non-empty string")
+        if not isinstance(shape, list) or not all(_is_size(s) for s in shape):
+            raise ValueError(f"update_info.shapes[{i}]: must be a list of sizes, got {shape!r}")
+        dtype = parse_dtype_name(dtype, f"update_info.dtype_names[{i}]")
+        metas.append(ParamMeta(name, dtype, tuple(shape)))
+    names = [m.name for m in metas]
+    if len(set(names)) != len(names):
+        duplicate = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"update_info.names: {duplicate!r} appears twice")
+    return metas
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+class WeightSource(ABC):
+    """Trainer-side weights to send. `metadata()` and iteration must agree element by
+    element (name, dtype, shape, order): receivers size their buffers from the metadata."""
+
+    @abstractmethod
+    def metadata(self) -> list[ParamMeta]: ...
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class ModuleSource(WeightSource):
+    """The parameters of a `torch.nn.Module`, under their checkpoint (state-dict) names."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta.of(name, p) for name, p in self.module.named_parameters()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in self.module.named_parameters():
+            yield name, param.detach()
+
+
+class TensorSource(WeightSource):
+    """An explicit list of (name, tensor): a subset of a model, or a computed update."""
+
+    def __init__(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.tensors = list(tensors)
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta.of(name, t) for name, t in self.tensors]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors)
+
+
+def checked_items(source: WeightSource) -> tuple[list[ParamMeta], list[torch.Tensor]]:
+    """Iterate the source once and compare it with its metadata; raise naming the first
+    disagreement before anything is sent."""
+    metas = source.metadata()
+    tensors: list[torch.Tensor] = []
+    for i, (name, tensor) in enumerate(source):
+        if i >= len(metas):
+            raise ValueError(
+                f"weight source: iteration yields more tensors than metadata() lists "
+                f"({len(metas)}); first extra: {name!r}"
+            )
+        actual, declared = ParamMeta.of(name, tensor), metas[i]
+        if actual != declared:
+            raise ValueError(
+                f"weight source: element {i} disagrees: metadata says "
+                f"{declared.describe()}, iteration gives {actual.describe()}"
+            )
+        tensors.append(tensor)
+    if len(tensors) < len(metas):
+        raise ValueError(
+            f"weight source: iteration stopped after {len(tensors)} tensors, metadata() "
+            f"lists {len(metas)}; first missing: {metas[len(tensors)].name!r}"
+        )
+    return metas, tensors

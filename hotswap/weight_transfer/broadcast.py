@@ -1,0 +1,161 @@
+"""Broadcast over a torch.distributed group: the trainer is rank 0, engine workers are
+rank_offset + i. gloo on CPU, NCCL on CUDA, same code. Packed mode streams the tensors'
+bytes through rotating fixed-size buffers (packing the next while the last one is in
+flight); unpacked mode sends one tensor at a time.
+
+The group is built from its own TCPStore (no global process group), so a trainer can keep
+its training groups and an engine can be re-initialised after a failure."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from hotswap.weight_transfer.base import ParamMeta
+from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
+from hotswap.weight_transfer.packing import Unpacker, buffer_lengths, byte_view, pack
+
+DEFAULT_BUFFER_BYTES = 64 << 20
+DEFAULT_NUM_BUFFERS = 2
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def join_group(
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    """Rank 0 hosts the store. Blocks until every rank has joined (or the timeout)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def _int(info: dict[str, Any], key: str, default: int | None = None, low: int = 0) -> int:
+    value = info.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"init_info.{key}: must be an integer >= {low}, got {value!r}")
+    return value
+
+
+class BroadcastChannel:
+    """One side of the group; the same send/receive code runs on gloo and NCCL."""
+
+    def __init__(
+        self, group: dist.ProcessGroup, device: torch.device, packed: bool, size: int, count: int
+    ) -> None:
+        self.group, self.device = group, device
+        self.packed, self.buffer_size, self.num_buffers = packed, size, count
+
+    def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        return self.group.broadcast(tensor, 0)
+
+    def _buffers(self) -> list[torch.Tensor]:
+        return [
+            torch.empty(self.buffer_size, dtype=torch.uint8, device=self.device)
+            for _ in range(self.num_buffers)
+        ]
+
+    def send(self, tensors: Sequence[torch.Tensor]) -> None:
+        if not self.packed:
+            for tensor in tensors:
+                if tensor.numel():
+                    self._broadcast(byte_view(tensor.to(self.device).contiguous())).wait()
+            return
+        buffers = self._buffers()
+        works: dict[int, dist.Work] = {}
+
+        def wait_for(index: int) -> None:
+            if index in works:
+                works.pop(index).wait()
+
+        for index, used in pack(tensors, buffers, wait_for):
+            works[index] = self._broadcast(buffers[index][:used])
+        for work in works.values():
+            work.wait()
+
+    def receive(self, metas: Sequence[ParamMeta]) -> list[tuple[str, torch.Tensor]]:
+        if not self.packed:
+            out = []
+            for meta in metas:
+                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                if tensor.numel():
+                    self._broadcast(byte_view(tensor)).wait()
+                out.append((meta.name, tensor))
+            return out
+        unpacker = Unpacker(metas, self.device)
+        lengths = buffer_lengths(metas, self.buffer_size)
+        buffers = self._buffers()
+        works = {}
+        for i in range(min(self.num_buffers, len(lengths))):
+            works[i] = self._broadcast(buffers[i][: lengths[i]])
+        for i, length in enumerate(lengths):
+            works.pop(i).wait()
+            unpacker.feed(buffers[i % self.num_buffers][:length])
+            following = i + self.num_buffers
+            if following < len(lengths):
+                buffer = buffers[following % self.num_buffers][: lengths[following]]
+                works[following] = self._broadcast(buffer)
+        return unpacker.items()
+
+
+class BroadcastEngine(WeightTransferEngine):
+    """Worker side. init_info: master_address, master_port, rank_offset, world_size, and
+    the trainer's wire settings (packed, packed_buffer_size_bytes, packed_num_buffers,
+    timeout_s)."""
+
+    backend: ClassVar[str] = "gloo"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.channel: BroadcastChannel | None = None
+
+    def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        address = init_info.get("master_address")
+        if not isinstance(address, str) or not address:
+            raise ValueError("init_info.master_address: required, a host name or address")
+        port = _int(init_info, "master_port", low=1)
+        world_size = _int(init_info, "world_size", low=2)
+        rank = _int(init_info, "rank_offset", 1, low=1)
+        if rank >= world_size:
+            raise ValueError(f"init_info.rank_offset: {rank} is outside world_size {world_size}")
+        packed = init_info.get("packed", True)
+        if not isinstance(packed, bool):
+            raise ValueError("init_info.packed: must be a boolean")
+        size = _int(init_info, "packed_buffer_size_bytes", DEFAULT_BUFFER_BYTES, low=1)
+        count = _int(init_info, "packed_num_buffers", DEFAULT_NUM_BUFFERS, low=1)
+        timeout = init_info.get("timeout_s", DEFAULT_TIMEOUT_S)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError("init_info.timeout_s: must be a positive number")
+        self.shutdown()
+        group = join_group(address, port, rank, world_size, self.device, float(timeout))
+        self.channel = BroadcastChannel(group, self.device, packed, size, count)
+
+    def receive_weights(
+        self, update_info: dict[str, Any], metas: list[ParamMeta]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.channel is None:
+            raise RuntimeError("no broadcast group: call init_weight_transfer_engine first")
+        yield from self.channel.receive(metas)
+
+    def shutdown(self) -> None:
+        self.channel = None  # dropping the group closes its connections
+
+
+@register_backend("gloo")
+class GlooEngine(BroadcastEngine):
+    backend = "gloo"
+
+
+@register_backend("nccl")
+class NCCLEngine(BroadcastEngine):
+    backend = "nccl"

@@ -1,0 +1,100 @@
+"""How a trainer drives the engine's four phases: over HTTP (`hotswap serve`) or in
+process (`AsyncLLM` / `LLM`). Only JSON metadata travels here; tensors take the data
+plane of the chosen backend."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+import httpx
+
+
+class WeightSyncError(RuntimeError):
+    """The engine refused or failed a weight-sync call (the engine's reason inside)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WeightSyncClient(Protocol):
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None: ...
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None: ...
+
+    def update_weights(self, update_info: dict[str, Any]) -> None: ...
+
+    def finish_weight_update(
+        self, weight_version: str | None = None, abort: bool = False
+    ) -> None: ...
+
+
+class HTTPWeightSyncClient:
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        response = self.http.post(path, json=body)
+        if response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text
+            raise WeightSyncError(f"{path}: HTTP {response.status_code}: {message}",
+                                  response.status_code)  # fmt: skip
+        return response.json()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self._post("/start_weight_update", {"is_checkpoint_format": is_checkpoint_format})
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._post("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
+        body: dict[str, Any] = {"abort": abort}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        self._post("/finish_weight_update", body)
+
+    def weight_info(self) -> dict[str, Any]:
+        response = self.http.get("/weight_info")
+        response.raise_for_status()
+        return response.json()
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class InProcessWeightSyncClient:
+    """Drives an `AsyncLLM` (from any thread but its event loop's: trainer code is
+    blocking) or an `LLM` in this process."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def _run(self, method: str, *args: Any) -> Any:
+        result = getattr(self.llm, method)(*args)
+        if not asyncio.iscoroutine(result):
+            return result
+        loop = getattr(self.llm, "_loop", None)
+        if loop is None:
+            result.close()
+            raise RuntimeError("AsyncLLM has not started yet: run a request or call first")
+        return asyncio.run_coroutine_threadsafe(result, loop).result()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._run("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self._run("start_weight_update", is_checkpoint_format)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._run("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
+        self._run("finish_weight_update", weight_version, abort)

@@ -1,0 +1,115 @@
+"""Worker side of a weight transfer: one `WeightTransferEngine` per engine core, chosen by
+`WeightTransferConfig(backend=...)` through a registry. Everything else about the channel
+(rendezvous, packing, buffer sizes) comes from the trainer in `init_info`, so the two
+sides cannot disagree about it."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+import torch
+
+from hotswap.weight_transfer.base import ParamMeta, metas_from_update_info
+
+
+@dataclass(frozen=True)
+class WeightTransferConfig:
+    backend: str = "gloo"
+    # Refuse a round that does not write every weight of the model (off: partial updates,
+    # e.g. only the trained layers, are allowed).
+    require_complete: bool = False
+    # A round left open this long (trainer gone between calls) is aborted.
+    round_timeout_s: float = 600.0
+
+    @classmethod
+    def parse(
+        cls, value: str | dict[str, Any] | WeightTransferConfig | None
+    ) -> WeightTransferConfig | None:
+        """From `--weight-transfer-config` JSON, a dict, or an instance; None stays None."""
+        if value is None or isinstance(value, WeightTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"weight_transfer_config: not valid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError("weight_transfer_config: must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"weight_transfer_config: unknown key(s) {unknown}")
+        config = cls(**value)
+        get_backend(config.backend)  # validates the name
+        return config
+
+
+class WeightTransferEngine(ABC):
+    """init once; per round: start, receive (one or more update infos), finish."""
+
+    backend: ClassVar[str]
+    needs_init: ClassVar[bool] = True  # False: usable without init_weight_transfer_engine
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    @abstractmethod
+    def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """Join the channel (may block until the trainer joins too)."""
+
+    def parse_update_info(self, update_info: dict[str, Any]) -> list[ParamMeta]:
+        """The tensors an update will deliver; ValueError naming the bad field."""
+        return metas_from_update_info(update_info)
+
+    def start_weight_update(self) -> None:  # noqa: B027 - optional hook
+        """A round begins."""
+
+    @abstractmethod
+    def receive_weights(
+        self, update_info: dict[str, Any], metas: list[ParamMeta]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the update's tensors (owned by the caller). Must consume the whole payload
+        even if the caller stops early, so the channel stays in step with the sender."""
+
+    def finish_weight_update(self) -> None:  # noqa: B027 - optional hook
+        """A round ended (committed or not)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Leave the channel."""
+
+    def world_size(self) -> int:
+        """Receiving workers behind this engine core."""
+        return 1
+
+
+_REGISTRY: dict[str, type[WeightTransferEngine]] = {}
+
+
+def register_backend(name: str):  # noqa: ANN201 - a class decorator
+    def register(cls: type[WeightTransferEngine]) -> type[WeightTransferEngine]:
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def get_backend(name: str) -> type[WeightTransferEngine]:
+    _load_builtin_backends()
+    if name not in _REGISTRY:
+        raise ValueError(f"backend: unknown {name!r}; choose from {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def create_transfer_engine(
+    config: WeightTransferConfig, device: torch.device
+) -> WeightTransferEngine:
+    return get_backend(config.backend)(device)
+
+
+def _load_builtin_backends() -> None:
+    # Imported for their @register_backend side effect.
+    from hotswap.weight_transfer import broadcast, disk, ipc  # noqa: F401

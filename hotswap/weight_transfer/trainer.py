@@ -1,0 +1,115 @@
+"""Trainer side: `WeightTransferTrainerFactory.trainer_init(init_info, client=, source=)`
+builds an engine once; `send_weights()` per round drives start -> update(s) -> finish on
+the serving engine and moves the bytes on the data plane at the same time.
+
+Every trainer rank calls `send_weights()` (iterating a source may itself be collective,
+e.g. gathering shards); only rank 0 talks to the engine and sends."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from hotswap.weight_transfer.base import ParamMeta, WeightSource, checked_items
+from hotswap.weight_transfer.clients import WeightSyncClient
+
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True)
+class TrainerInitInfo:
+    backend: ClassVar[str]
+    rank: int = 0  # this trainer process's rank; rank 0 sends
+
+
+class TrainerWeightTransferEngine(ABC):
+    is_checkpoint_format: ClassVar[bool] = True
+
+    def __init__(self, info: TrainerInitInfo, client: WeightSyncClient, source: WeightSource):
+        self.info, self.client, self.source = info, client, source
+
+    @property
+    def is_sender(self) -> bool:
+        return self.info.rank == 0
+
+    @abstractmethod
+    def connect(self) -> None:
+        """Rank 0: set up the channel with the engine (init_weight_transfer_engine)."""
+
+    @abstractmethod
+    def send_round(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:
+        """Rank 0: the update call(s) and the data plane of one round."""
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        """One full round. The source is checked against its metadata before anything is
+        sent; if the round fails after start, it is aborted on the engine (best effort),
+        which keeps serving its previous weights."""
+        metas, tensors = checked_items(self.source)
+        if not self.is_sender:
+            return
+        self.client.start_weight_update(is_checkpoint_format=self.is_checkpoint_format)
+        try:
+            self.send_round(metas, tensors)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.finish_weight_update(abort=True)
+            raise
+        self.client.finish_weight_update(weight_version)
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release the channel."""
+
+
+class WeightTransferTrainerFactory:
+    _registry: ClassVar[dict[str, type[TrainerWeightTransferEngine]]] = {}
+
+    @classmethod
+    def register(cls, backend: str) -> Callable[[type], type]:
+        def add(engine_cls: type[TrainerWeightTransferEngine]) -> type:
+            cls._registry[backend] = engine_cls
+            return engine_cls
+
+        return add
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: TrainerInitInfo, client: WeightSyncClient, source: WeightSource
+    ) -> TrainerWeightTransferEngine:
+        from hotswap.weight_transfer import broadcast_trainer, disk, ipc  # noqa: F401
+
+        engine_cls = cls._registry.get(init_info.backend)
+        if engine_cls is None:
+            raise ValueError(f"init_info: no trainer engine for backend {init_info.backend!r}")
+        engine = engine_cls(init_info, client, source)
+        if engine.is_sender:
+            engine.connect()
+        return engine
+
+
+def run_alongside(control: Callable[[], Any], data_plane: Callable[[], T]) -> T:
+    """Run the engine-side `control` call on a thread while this thread runs the data
+    plane (both sides of a collective must be in it at once). Raises the control call's
+    error, if any, once the data plane is done."""
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            control()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    thread = threading.Thread(target=call, name="hotswap-weight-sync-control", daemon=True)
+    thread.start()
+    try:
+        result = data_plane()
+    finally:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return result
