@@ -112,6 +112,7 @@ class EngineCore:
             "is_sleeping": self.sleep_state.is_sleeping,
             "sleep_level": self.sleep_state.level,
             "weights_missing": self.sleep_state.weights_missing,
+            "weight_round_open": self.weight_sync.round_open,
             **self._step_time_stats(),
         }
 

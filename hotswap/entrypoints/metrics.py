@@ -37,6 +37,11 @@ _GAUGES = (
         "1 after a level-2 sleep until weights are sent or reloaded (nothing runs).",
     ),
     ("hotswap:weight_version", "weight_version", "Integer weight version (+1 per update)."),
+    (
+        "hotswap:weight_round_open",
+        "weight_round_open",
+        "1 while a weight-update round is open (no step runs).",
+    ),
 )
 _COUNTERS = (
     ("hotswap:prompt_tokens", "prompt_tokens", "Prompt tokens submitted."),

@@ -1,0 +1,61 @@
+"""A trainer on the same machine pushes its weights into `hotswap serve` through named
+shared memory (the `ipc` backend).
+
+The server starts with random weights (`--load-format dummy`), so its first completion is
+gibberish. The trainer (the real built-in SmolLM2-135M-Instruct, loaded with transformers)
+pauses generation, writes its weights into shared-memory segments of at most 64 MiB
+(packed mode: several tensors per segment, memory bounded), and for each segment sends only
+JSON over HTTP (names, dtypes, shapes, the segment's name; no pickle). It resumes and the
+same prompt completes sensibly. No group to join: the ipc engine needs no rendezvous.
+
+    .venv/bin/python examples/rlhf_http_ipc.py
+"""
+
+from __future__ import annotations
+
+import time
+
+from _rlhf_http import PROMPT, complete, control, load_trainer_model, serve
+
+from hotswap.weight_transfer import (
+    HTTPWeightSyncClient,
+    IPCTrainerInitInfo,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+
+SEGMENT_BYTES = 64 << 20
+
+
+def sync_weights(url: str) -> None:
+    """The trainer's side of one update: a full round through shared memory."""
+    model = load_trainer_model()
+    info = IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=SEGMENT_BYTES)
+    client = HTTPWeightSyncClient(url)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(model)
+    )
+    print(f"pause: {control(url, 'POST', '/pause?mode=keep')}")
+    start = time.perf_counter()
+    engine.send_weights("real-weights")
+    print(f"sent {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters through "
+          f"shared memory in {time.perf_counter() - start:.2f} s")  # fmt: skip
+    print(f"resume: {control(url, 'POST', '/resume')}")
+    engine.shutdown()
+    client.close()
+
+
+def main() -> None:
+    with serve({"backend": "ipc"}) as (name, url):
+        print(f"server: {name} at {url}")
+        print(f"weight_info before: {control(url, 'GET', '/weight_info')}")
+        text, spans = complete(url, name)
+        print(f"random weights: {PROMPT!r} -> {text!r}\n  weight_versions: {spans}")
+        sync_weights(url)
+        print(f"weight_info after:  {control(url, 'GET', '/weight_info')}")
+        text, spans = complete(url, name)
+        print(f"real weights:   {PROMPT!r} -> {text!r}\n  weight_versions: {spans}")
+
+
+if __name__ == "__main__":
+    main()
