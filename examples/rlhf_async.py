@@ -99,6 +99,7 @@ async def main() -> None:
     llm = AsyncLLM(load_format="dummy", batch_invariant=True, progress=False)
     model = load_trainer_model()
     try:
+        print(f"engine weights: {await llm.get_weight_version()}")  # also starts the engine
         started = asyncio.Event()
         tasks = [asyncio.create_task(rollout(llm, i, started)) for i in range(len(QUESTIONS))]
         # Join the gloo group while the rollouts run (engine world size 1 + this trainer).

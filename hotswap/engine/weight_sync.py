@@ -64,6 +64,8 @@ class WeightSync:
         if not isinstance(init_info, dict):
             raise ValueError("init_info: must be a JSON object")
         engine = create_transfer_engine(config, self.device)
+        if hasattr(engine, "current_weights"):  # delta backends patch what is loaded
+            engine.current_weights = self._current_checkpoint_tensor
         engine.init_transfer_engine(init_info)
         if self.transfer is not None:
             self.transfer.shutdown()
@@ -137,6 +139,17 @@ class WeightSync:
 
     def covers_model(self, staged: Iterable[str], is_checkpoint_format: bool) -> bool:
         return not self._missing(set(staged), is_checkpoint_format)
+
+    def _current_checkpoint_tensor(self, name: str) -> torch.Tensor | None:
+        """What checkpoint tensor `name` holds now: staged earlier in this round, or
+        loaded in the model; None if the model has no such tensor."""
+        if self.round is not None and name in self.round.staged:
+            return self.round.staged[name]
+        try:
+            target = self.model.checkpoint_view(name)
+        except ValueError:
+            return None
+        return None if target is None else target[1]
 
     # -- validation -----------------------------------------------------------------------
     def _target(self, name: str, checkpoint: bool) -> tuple[str, torch.Tensor] | None:

@@ -112,4 +112,4 @@ def create_transfer_engine(
 
 def _load_builtin_backends() -> None:
     # Imported for their @register_backend side effect.
-    from hotswap.weight_transfer import broadcast, disk, ipc  # noqa: F401
+    from hotswap.weight_transfer import broadcast, disk, ipc, sparse  # noqa: F401

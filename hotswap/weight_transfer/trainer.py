@@ -81,7 +81,7 @@ class WeightTransferTrainerFactory:
     def trainer_init(
         cls, init_info: TrainerInitInfo, client: WeightSyncClient, source: WeightSource
     ) -> TrainerWeightTransferEngine:
-        from hotswap.weight_transfer import broadcast_trainer, disk, ipc  # noqa: F401
+        from hotswap.weight_transfer import broadcast_trainer, disk, ipc, sparse  # noqa: F401
 
         engine_cls = cls._registry.get(init_info.backend)
         if engine_cls is None:

@@ -1,0 +1,139 @@
+"""`sparse`: delta patches — flat indices + new values per checkpoint tensor — broadcast
+over the same group as `gloo`/`nccl`. The wire cost is proportional to the number of
+changed elements; on the engine each patch is applied to a copy of the current checkpoint
+tensor, which then goes through the usual validation, staging and all-or-nothing commit.
+
+update_info: names, dtype_names (of the values), shapes (full checkpoint shapes) and nnz;
+the data stream is, per patch, its int64 indices then its values."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from hotswap.weight_transfer.base import ParamMeta, metas_from_update_info, metas_to_update_info
+from hotswap.weight_transfer.broadcast import BroadcastEngine
+from hotswap.weight_transfer.broadcast_trainer import BroadcastTrainer, GlooTrainerInitInfo
+from hotswap.weight_transfer.engine import register_backend
+from hotswap.weight_transfer.trainer import WeightTransferTrainerFactory, run_alongside
+
+CurrentWeights = Callable[[str], torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class SparsePatch:
+    """Set `values` at the flat `indices` of checkpoint tensor `name` (shape `shape`)."""
+
+    name: str
+    shape: tuple[int, ...]
+    indices: torch.Tensor  # int64, 1-D
+    values: torch.Tensor  # 1-D, same length
+
+    def __post_init__(self) -> None:
+        if self.indices.dim() != 1 or self.values.dim() != 1:
+            raise ValueError(f"patch {self.name!r}: indices and values must be 1-D")
+        if self.indices.numel() != self.values.numel():
+            raise ValueError(f"patch {self.name!r}: {self.indices.numel()} indices but "
+                             f"{self.values.numel()} values")  # fmt: skip
+
+
+def diff_patches(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+) -> list[SparsePatch]:
+    """The patches that turn `before` into `after` (same names and shapes): only the
+    elements that changed."""
+    patches = []
+    for name, new in after.items():
+        old = before[name]
+        changed = (new.reshape(-1) != old.reshape(-1)).nonzero().reshape(-1)
+        if changed.numel():
+            values = new.reshape(-1)[changed]
+            patches.append(SparsePatch(name, tuple(new.shape), changed.to(torch.int64), values))
+    return patches
+
+
+def _wire_metas(metas: Sequence[ParamMeta], nnz: Sequence[int]) -> list[ParamMeta]:
+    wire = []
+    for meta, count in zip(metas, nnz):
+        wire.append(ParamMeta(f"{meta.name}#indices", torch.int64, (count,)))
+        wire.append(ParamMeta(f"{meta.name}#values", meta.dtype, (count,)))
+    return wire
+
+
+@register_backend("sparse")
+class SparseEngine(BroadcastEngine):
+    backend: ClassVar[str] = "sparse"
+    current_weights: CurrentWeights | None = None  # bound by the engine's WeightSync
+
+    def parse_update_info(self, update_info: dict[str, Any]) -> list[ParamMeta]:
+        metas = metas_from_update_info(update_info)
+        nnz = update_info.get("nnz")
+        if not isinstance(nnz, list) or len(nnz) != len(metas):
+            raise ValueError("update_info.nnz: required, one count per name")
+        for i, (count, meta) in enumerate(zip(nnz, metas)):
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise ValueError(f"update_info.nnz[{i}]: must be a non-negative integer")
+            if count > meta.numel:
+                raise ValueError(f"update_info.nnz[{i}]: {count} exceeds {meta.numel} elements")
+        return metas
+
+    def receive_weights(
+        self, update_info: dict[str, Any], metas: list[ParamMeta]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.channel is None:
+            raise RuntimeError("no broadcast group: call init_weight_transfer_engine first")
+        received = self.channel.receive(_wire_metas(metas, update_info["nnz"]))
+        for i, meta in enumerate(metas):
+            indices, values = received[2 * i][1], received[2 * i + 1][1]
+            yield meta.name, self._patched(meta, indices, values)
+
+    def _patched(
+        self, meta: ParamMeta, indices: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        current = self.current_weights(meta.name) if self.current_weights else None
+        if current is None or tuple(current.shape) != meta.shape:
+            # Not a weight the model has (or a wrong shape): hand the validator a tensor
+            # that describes what was sent, so it names the problem.
+            return torch.zeros(meta.shape, dtype=meta.dtype)
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= meta.numel):
+            raise ValueError(f"patch {meta.name!r}: an index is outside 0..{meta.numel - 1}")
+        full = current.detach().to(meta.dtype).clone()
+        full.view(-1)[indices] = values
+        return full
+
+
+@dataclass(kw_only=True)
+class SparseTrainerInitInfo(GlooTrainerInitInfo):
+    backend: ClassVar[str] = "sparse"
+
+
+@WeightTransferTrainerFactory.register("sparse")
+class SparseTrainer(BroadcastTrainer):
+    """Patches, not a source: `send_patches(patches, weight_version)` runs one whole round
+    (an empty list is a no-op). Every trainer rank calls it; rank 0 sends."""
+
+    def send_weights(self, weight_version: str | None = None) -> None:
+        raise TypeError("sparse: call send_patches(patches, weight_version) instead")
+
+    def send_patches(
+        self, patches: Sequence[SparsePatch], weight_version: str | None = None
+    ) -> None:
+        if not self.is_sender or not patches:
+            return
+        metas = [ParamMeta(p.name, p.values.dtype, p.shape) for p in patches]
+        info = {**metas_to_update_info(metas), "nnz": [p.indices.numel() for p in patches]}
+        tensors = [t for p in patches for t in (p.indices.to(torch.int64), p.values)]
+        self.client.start_weight_update(is_checkpoint_format=True)
+        try:
+            run_alongside(
+                lambda: self.client.update_weights(info), lambda: self.channel.send(tensors)
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.finish_weight_update(abort=True)
+            raise
+        self.client.finish_weight_update(weight_version)
