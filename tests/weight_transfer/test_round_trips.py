@@ -140,3 +140,31 @@ def test_engine_format_names_are_copied_directly(v1_dir, v2_dir, reference, tmp_
     llm.finish_weight_update("engine-format")
     assert tokens(llm) == reference["v2"][0]
     assert llm.get_weight_info()["digest"] == reference["v2"][1]
+
+
+class NoCallsClient:
+    """A non-sending trainer rank must never talk to the engine."""
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        raise AssertionError(f"rank != 0 called {name}")
+
+
+def test_non_zero_ranks_iterate_the_source_but_never_send(v2_trainer) -> None:
+    iterated = []
+
+    class CountingSource(ModuleSource):
+        def __iter__(self):  # noqa: ANN204
+            for item in super().__iter__():
+                iterated.append(item[0])
+                yield item
+
+    for info in (
+        GlooTrainerInitInfo(master_port=free_port(), world_size=2, rank=1),
+        IPCTrainerInitInfo(rank=3),
+    ):
+        iterated.clear()
+        engine = WeightTransferTrainerFactory.trainer_init(
+            info, NoCallsClient(), CountingSource(v2_trainer)
+        )
+        engine.send_weights("ignored")
+        assert iterated == [name for name, _ in v2_trainer.named_parameters()]
