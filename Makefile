@@ -34,13 +34,14 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
 lint: venv
-	$(VENV)/bin/ruff check hotswap tests benchmarks
-	$(VENV)/bin/ruff format --check hotswap tests benchmarks
+	$(VENV)/bin/ruff check hotswap tests benchmarks examples
+	$(VENV)/bin/ruff format --check hotswap tests benchmarks examples
 
 bench: venv
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/pause_resume.py
 	$(PY) benchmarks/serve.py
+	$(PY) benchmarks/weight_sync.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,13 +1,18 @@
 """Swap weights in the middle of 8 streaming rollouts, in process, and see which tokens
 came from which weights.
 
-An `AsyncLLM` starts with random weights (built-in model, `load_format="dummy"`) and
-streams 8 greedy chat rollouts. As soon as one has 10 tokens, the RL loop pauses
-generation in place (`mode="keep"`, KV cache cleared), a trainer-side model (the real
-SmolLM2-135M-Instruct, loaded with transformers) broadcasts its weights over gloo through
-the in-process client, and generation resumes. No request is lost: each finishes, and its
-`CompletionOutput.weight_versions` spans say which output tokens each weight version
-produced. The old-weight part is gibberish, the new-weight part is not.
+An `AsyncLLM` serves the built-in SmolLM2-135M-Instruct and streams 8 greedy chat
+rollouts. As soon as one has 10 tokens, the RL loop pauses generation in place
+(`mode="keep"`, KV cache cleared), a trainer-side model broadcasts its weights over gloo
+through the in-process client, and generation resumes. No request is lost: each finishes,
+and its `CompletionOutput.weight_versions` spans say which output tokens each weight
+version produced.
+
+So that the change is easy to see, the trainer's "trained" policy is the same model with
+the embedding row of every lowercase word token swapped with its all-capitals twin ("the"
+<-> "THE"). The embeddings are tied, so this only relabels tokens: the new policy writes
+the same kind of answer, in capitals. The old-weight part of each rollout is lowercase,
+the new-weight part shouts, and the switch happens exactly at the span boundary.
 
 Trainer code is blocking, so it runs on a worker thread (`asyncio.to_thread`) while the
 event loop keeps serving the engine.
@@ -18,12 +23,16 @@ event loop keeps serving the engine.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
+from pathlib import Path
 
+import tokenizers
 import torch
 
 from hotswap import AsyncLLM, SamplingParams
+from hotswap.default_model import default_model_dir
 from hotswap.outputs import RequestOutput
 from hotswap.weight_transfer import (
     GlooTrainerInitInfo,
@@ -39,7 +48,7 @@ QUESTIONS = [
     "What is 2+2?",
     "Describe a cat in one sentence.",
     "What does a plant need to grow?",
-    "Say hello in Spanish.",
+    "What colour is the sky?",
     "What is the largest planet?",
     "Give me a word that rhymes with blue.",
 ]
@@ -52,20 +61,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def shouting_pairs(tokenizer_json: Path) -> list[tuple[int, int]]:
+    """(id of "word", id of "WORD") for every lowercase word token with a capitals twin."""
+    vocab = tokenizers.Tokenizer.from_file(str(tokenizer_json)).get_vocab()
+    word = re.compile(r"^\u0120?[a-z]{2,}$")  # byte-level BPE writes a leading space as U+0120
+    return [(i, vocab[t.upper()]) for t, i in vocab.items() if word.match(t) and t.upper() in vocab]
+
+
+@torch.no_grad()
 def load_trainer_model() -> torch.nn.Module:
+    """The built-in model, "trained" to shout (see the module docstring)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
-    from hotswap.default_model import default_model_dir
-
     logging.disable_progress_bar()
-    return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
+    path = default_model_dir()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    pairs = torch.tensor(shouting_pairs(path / "tokenizer.json"))
+    embed = model.get_input_embeddings().weight
+    embed[torch.cat([pairs[:, 0], pairs[:, 1]])] = embed[torch.cat([pairs[:, 1], pairs[:, 0]])]
+    print(f"trainer: swapped {len(pairs)} lowercase/CAPITALS token pairs")
+    return model
 
 
 async def rollout(llm: AsyncLLM, i: int, started: asyncio.Event) -> RequestOutput:
     """One streaming request; sets `started` once it has PAUSE_AFTER_TOKENS tokens."""
     prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i]}])
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
     async for out in llm.generate(prompt, params, request_id=f"rollout-{i}"):
         if len(out.outputs[0].token_ids) >= PAUSE_AFTER_TOKENS:
             started.set()
@@ -82,7 +104,7 @@ async def swap_weights(llm: AsyncLLM, trainer: TrainerWeightTransferEngine) -> N
     await llm.resume_generation()
     print(f"pause {1000 * (paused - start):.0f} ms, sync {1000 * (synced - paused):.0f} ms, "
           f"resume {1000 * (time.perf_counter() - synced):.0f} ms; "
-          f"now {await llm.get_weight_version()}")  # fmt: skip
+          f"engine now at {await llm.get_weight_version()}")  # fmt: skip
 
 
 def report(llm: AsyncLLM, outputs: list[RequestOutput]) -> None:
@@ -96,7 +118,11 @@ def report(llm: AsyncLLM, outputs: list[RequestOutput]) -> None:
 
 
 async def main() -> None:
-    llm = AsyncLLM(load_format="dummy", batch_invariant=True, progress=False)
+    llm = AsyncLLM(
+        batch_invariant=True,
+        weight_transfer_config={"backend": "gloo"},
+        progress=False,
+    )
     model = load_trainer_model()
     try:
         print(f"engine weights: {await llm.get_weight_version()}")  # also starts the engine

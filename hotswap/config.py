@@ -70,6 +70,10 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # While any request is decoding, prefill (new prompts, chunks) gets at most this many
+    # tokens of a step, so a burst of new prompts cannot stretch the step that running
+    # requests (and a pause in keep mode) wait for. None: no cap beyond the budget.
+    max_prefill_tokens_while_decoding: int | None = 512
     enable_chunked_prefill: bool = True
     max_model_len: int = 8192
 
@@ -102,6 +106,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
+    max_prefill_tokens_while_decoding: int | None = 512
     enable_chunked_prefill: bool = True
     batch_invariant: bool = False
     device: str = "cpu"
@@ -170,9 +175,13 @@ class EngineArgs:
                 f"max_num_batched_tokens: {budget} is smaller than max_model_len "
                 f"({max_model_len}); without chunked prefill a prompt must fit in one step"
             )
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None:
+            _check_positive("max_prefill_tokens_while_decoding", cap)
         return SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=budget,
+            max_prefill_tokens_while_decoding=cap if self.enable_chunked_prefill else None,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len,
         )

@@ -62,6 +62,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.pause_state = PauseState.UNPAUSED
         self.num_preemptions = 0
+        self._prefill_budget = config.max_num_batched_tokens
 
     # -- queue management -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -130,15 +131,31 @@ class Scheduler:
         out = SchedulerOutput()
         if self.pause_state == PauseState.PAUSED_ALL:
             return out
+        self._prefill_budget = self._prefill_cap()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_waiting(out, budget)
         return out
+
+    def _prefill_cap(self) -> int:
+        cap = self.config.max_prefill_tokens_while_decoding
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        return cap if cap is not None and decoding else self.config.max_num_batched_tokens
+
+    def _take_prefill(self, wanted: int, budget: int) -> int:
+        """Tokens a prefill chunk may have this step (decodes are never capped)."""
+        granted = min(wanted, budget, self._prefill_budget)
+        self._prefill_budget -= granted
+        return granted
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_new, budget) if num_new == 1 else self._take_prefill(num_new, budget)
+            if num_new == 0:
+                index += 1
+                continue
             while not self.kv.can_allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -180,9 +197,10 @@ class Scheduler:
         num_new = request.num_tokens - num_cached
         if num_new > budget and not self.config.enable_chunked_prefill:
             return 0
-        num_new = min(num_new, budget)
-        if not self.kv.can_allocate(request, num_new, computed_blocks):
+        num_new = min(num_new, budget, self._prefill_budget)
+        if num_new == 0 or not self.kv.can_allocate(request, num_new, computed_blocks):
             return 0
+        self._prefill_budget -= num_new
         request.kv_version = self.kv.weight_version  # its KV is computed afresh from here
         if request.start_version is None:
             request.start_version = self.kv.weight_version

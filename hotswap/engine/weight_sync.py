@@ -95,7 +95,15 @@ class WeightSync:
             raise EngineStateError("update_weights: no round is open; call start_weight_update")
         if not isinstance(update_info, dict):
             raise ValueError("update_info: must be a JSON object")
-        metas = self.transfer.parse_update_info(update_info)
+        try:
+            metas = self.transfer.parse_update_info(update_info)
+        except ValueError:
+            if self.transfer.needs_init:
+                # A stream channel's sender is already sending what we cannot size: the
+                # channel is out of step and must be set up again.
+                self.transfer.shutdown()
+                self.transfer, self.round = None, None
+            raise
         problems = [p for m in metas if (p := self._check(m)) is not None]
         received = self.transfer.receive_weights(update_info, metas)
         try:

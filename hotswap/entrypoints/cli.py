@@ -52,6 +52,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-seqs", type=int, default=128)
     group.add_argument("--max-num-batched-tokens", type=int, default=None)
     group.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=512,
+        help="cap on prefill tokens in a step while requests decode (bounds step time)",
+    )
+    group.add_argument(
         "--batch-invariant",
         action="store_true",
         help="bitwise-identical logits whatever the batch (slower)",

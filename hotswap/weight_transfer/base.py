@@ -150,6 +150,10 @@ def checked_items(source: WeightSource) -> tuple[list[ParamMeta], list[torch.Ten
     """Iterate the source once and compare it with its metadata; raise naming the first
     disagreement before anything is sent."""
     metas = source.metadata()
+    names = [m.name for m in metas]
+    if len(set(names)) != len(names):
+        duplicate = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"weight source: {duplicate!r} appears twice in metadata()")
     tensors: list[torch.Tensor] = []
     for i, (name, tensor) in enumerate(source):
         if i >= len(metas):

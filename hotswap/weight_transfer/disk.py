@@ -74,6 +74,9 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+SYNC_FILE = "hotswap-sync.safetensors"
+
+
 @dataclass(kw_only=True)
 class DiskTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "disk"
@@ -85,12 +88,21 @@ class DiskTrainer(TrainerWeightTransferEngine):
     info: DiskTrainerInitInfo
 
     def connect(self) -> None:
-        Path(self.info.directory).mkdir(parents=True, exist_ok=True)
+        directory = Path(self.info.directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        # The engine loads every *.safetensors file here, so the directory must hold only
+        # ours (and we never delete a file we did not write).
+        foreign = [p.name for p in directory.glob("*.safetensors") if p.name != SYNC_FILE]
+        if foreign or (directory / "model.safetensors.index.json").exists():
+            raise ValueError(
+                f"directory: {directory} already holds a checkpoint ({', '.join(foreign)}); "
+                f"give the disk backend a directory of its own"
+            )
 
     def send_round(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:
         directory = Path(self.info.directory)
-        for old in directory.glob("*.safetensors"):
-            old.unlink()
         weights = {m.name: t.detach().contiguous().cpu() for m, t in zip(metas, tensors)}
-        save_file(weights, str(directory / "model.safetensors"))
+        partial = directory / f".{SYNC_FILE}.partial"
+        save_file(weights, str(partial))
+        partial.replace(directory / SYNC_FILE)  # the engine never reads a half-written file
         self.client.update_weights({"model_path": str(directory)})

@@ -93,23 +93,45 @@ class WeightTransferTrainerFactory:
 
 
 def run_alongside(control: Callable[[], Any], data_plane: Callable[[], T]) -> T:
-    """Run the engine-side `control` call on a thread while this thread runs the data
-    plane (both sides of a collective must be in it at once). Raises the control call's
-    error, if any, once the data plane is done."""
-    errors: list[BaseException] = []
+    """Run the engine-side `control` call and the data plane at once (both sides of a
+    collective must be in it together). If the engine refuses, its reason is raised — at
+    once, rather than after the data plane times out waiting for a peer that never comes
+    (the channel is then unusable until set up again)."""
+    control_errors: list[BaseException] = []
+    data: dict[str, Any] = {}
 
     def call() -> None:
         try:
             control()
         except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
+            control_errors.append(e)
 
-    thread = threading.Thread(target=call, name="hotswap-weight-sync-control", daemon=True)
+    def move() -> None:
+        try:
+            data["result"] = data_plane()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            data["error"] = e
+
+    control_thread = _start(call, "hotswap-weight-sync-control")
+    data_thread = _start(move, "hotswap-weight-sync-data")
+    while data_thread.is_alive():
+        data_thread.join(0.05)
+        if control_errors and data_thread.is_alive():
+            data_thread.join(CONTROL_FAILURE_GRACE_S)  # a refusal may still drain the data
+            if data_thread.is_alive():
+                raise control_errors[0]
+    control_thread.join()
+    if control_errors:
+        raise control_errors[0] from data.get("error")
+    if "error" in data:
+        raise data["error"]
+    return data["result"]
+
+
+CONTROL_FAILURE_GRACE_S = 2.0
+
+
+def _start(target: Callable[[], None], name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
-    try:
-        result = data_plane()
-    finally:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return result
+    return thread

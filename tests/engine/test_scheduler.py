@@ -18,11 +18,13 @@ def make_scheduler(
     max_seqs: int = 8,
     chunked: bool = True,
     max_len: int = 256,
+    prefill_cap: int | None = None,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_seqs=max_seqs,
             max_num_batched_tokens=budget,
+            max_prefill_tokens_while_decoding=prefill_cap,
             enable_chunked_prefill=chunked,
             max_model_len=max_len,
         ),
@@ -62,6 +64,27 @@ def test_prefill_and_decode_mix_in_one_step() -> None:
     sched.add_request(make_request("b", 8, first=100))
     out = sched.schedule()
     assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 8)]
+
+
+def test_prefill_is_capped_only_while_requests_decode() -> None:
+    sched = make_scheduler(budget=32, prefill_cap=4)
+    sched.add_request(make_request("a", 10))
+    sched.add_request(make_request("b", 6, first=50))
+    out = sched.schedule()  # nobody decodes yet: the whole budget goes to prefill
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 10), ("b", 6)]
+    sched.update_from_output(out, {"a": 7, "b": 7})
+    sched.add_request(make_request("c", 9, first=100))
+    sched.add_request(make_request("d", 9, first=150))
+    steps = []
+    for _ in range(3):
+        out = fake_step(sched)
+        steps.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
+    # a and b decode every step; the new prompts are fed at most 4 tokens a step.
+    assert steps[0] == [("a", 1), ("b", 1), ("c", 4)]
+    assert steps[1] == [("a", 1), ("b", 1), ("c", 4)]
+    assert steps[2] == [("a", 1), ("b", 1), ("c", 1), ("d", 4)]  # a 1-token rest is no burst
+    run_to_completion(sched)
+    assert sched.kv.num_free_blocks == sched.kv.pool.num_blocks
 
 
 def test_chunked_prefill_respects_budget_and_samples_only_at_end() -> None:

@@ -148,3 +148,30 @@ def test_apply_failure_rolls_back(v1_dir, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="disk on fire"):
         send(llm, [(NORM, torch.ones(64)), ("lm_head.weight", torch.ones(384, 64))])
     assert llm.get_weight_info() == before
+
+
+def test_engine_refusal_reaches_a_gloo_trainer_at_once(v1_dir, v2_trainer) -> None:
+    import time
+
+    plain = LLM(str(v1_dir), dtype="float32", progress=False)  # no transfer configured
+    info = GlooTrainerInitInfo(master_port=free_port(), world_size=2, timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(EngineStateError, match="not configured"):
+        WeightTransferTrainerFactory.trainer_init(
+            info, InProcessWeightSyncClient(plain), ModuleSource(v2_trainer)
+        )
+    assert time.monotonic() - start < 10  # not the 60 s rendezvous timeout
+
+
+def test_disk_trainer_never_touches_a_foreign_checkpoint(v1_dir, tmp_path) -> None:
+    from hotswap.weight_transfer import DiskTrainerInitInfo
+
+    (tmp_path / "model.safetensors").write_bytes(b"somebody's checkpoint")
+    llm = make_llm(v1_dir, "disk")
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        WeightTransferTrainerFactory.trainer_init(
+            DiskTrainerInitInfo(directory=str(tmp_path)),
+            InProcessWeightSyncClient(llm),
+            TensorSource([]),
+        )
+    assert (tmp_path / "model.safetensors").read_bytes() == b"somebody's checkpoint"

@@ -60,13 +60,18 @@ def test_gloo_sync_over_http(gloo_server, v1_trainer, v2_trainer, v1_dir, v2_dir
     assert http.post("/start_weight_update").json() == {"message": "Weight update started"}
     r = http.post("/start_weight_update", json={"is_checkpoint_format": True})
     assert r.status_code == 409
-    r = http.post("/update_weights", json={"update_info": {"names": ["a"]}})
-    assert r.status_code == 400 and "dtype_names" in r.json()["error"]["message"]
     r = http.post("/finish_weight_update", json={"weight_version": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body.weight_version"
     assert http.post("/finish_weight_update", json={"abort": True}).json() == {
         "message": "Weight update aborted"
     }
+    # An update info the engine cannot size: a broadcast channel is then out of step with
+    # its sender, so the round ends and the channel must be set up again.
+    http.post("/start_weight_update")
+    r = http.post("/update_weights", json={"update_info": {"names": ["a"]}})
+    assert r.status_code == 400 and "dtype_names" in r.json()["error"]["message"]
+    r = http.post("/start_weight_update")
+    assert r.status_code == 409 and "init_weight_transfer_engine" in r.json()["error"]["message"]
     r = http.post("/init_weight_transfer_engine", json={})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body.init_info"
     assert client.weight_info() == weights
