@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from hotswap.engine.messages import (
 logger = logging.getLogger(__name__)
 
 ROUND_POLL_S = 1.0
+ANSWER_YIELD_S = 0.001
 
 
 class InputKind(enum.IntEnum):
@@ -221,6 +223,11 @@ class EngineCoreLoop:
             batch = EngineCoreOutputs(self.outputs, self.results)
             self.outputs, self.results = [], []
             self.emit(batch)
+            if batch.results:
+                # Let the answer leave (ZMQ's I/O thread) and the caller wake before the
+                # next step's worker threads take every core: measured on 2 cores, resume
+                # p99 drops from ~9 ms to ~2 ms. Control calls are rare; this costs ~1 ms.
+                time.sleep(ANSWER_YIELD_S)
 
 
 _PENDING = object()
