@@ -125,6 +125,67 @@ def memcpy_gbps(nbytes: int = 256 * MIB, repeats: int = 5) -> tuple[float, float
     return nbytes / warm / 1e9, nbytes / fresh / 1e9
 
 
+def gloo_loopback_gbps(nbytes: int = 64 * MIB, repeats: int = 3) -> float:
+    """Raw gloo broadcast bandwidth between two threads of this process over loopback TCP:
+    the ceiling for the gloo backends on this machine."""
+    import threading
+
+    from hotswap.weight_transfer.broadcast import join_group
+
+    port, groups = free_port(), {}
+    buffers = {rank: torch.ones(nbytes, dtype=torch.uint8) for rank in (0, 1)}
+
+    def both(fn: Callable[[int], Any]) -> None:
+        threads = [threading.Thread(target=fn, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    both(
+        lambda r: groups.__setitem__(
+            r, join_group("127.0.0.1", port, r, 2, torch.device("cpu"), 60)
+        )
+    )
+    best = min(
+        _timed(lambda: both(lambda r: groups[r].broadcast(buffers[r], 0).wait()))
+        for _ in range(repeats)
+    )
+    groups.clear()
+    gc.collect()
+    return nbytes / best / 1e9
+
+
+def run_sparse(path: Path, trainer: torch.nn.Module, rounds: int, density: float) -> float:
+    """Best seconds to send patches changing `density` of every tensor's elements."""
+    from hotswap.weight_transfer import SparseTrainerInitInfo, diff_patches
+
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        load_format="dummy",
+        num_kv_blocks=64,
+        max_model_len=512,
+        progress=False,
+        weight_transfer_config={"backend": "sparse"},
+    )
+    info = SparseTrainerInitInfo(master_port=free_port(), world_size=2)
+    engine = WeightTransferTrainerFactory.trainer_init(info, InProcessWeightSyncClient(llm), None)
+    gen = torch.Generator().manual_seed(0)
+    before = {name: p.detach() for name, p in trainer.named_parameters()}
+    after = {
+        name: torch.where(torch.rand(t.shape, generator=gen) < density, t + 1.0, t)
+        for name, t in before.items()
+    }
+    patches = diff_patches(before, after)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine.send_patches(patches, "sparse")
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 def _timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
@@ -252,21 +313,33 @@ def main(args: argparse.Namespace) -> None:
         print(f"memcpy (torch copy_, 256 MiB fp32, {torch.get_num_threads()} threads): "
               f"{memcpy:.2f} GB/s (into freshly allocated memory: {fresh:.2f} GB/s); "
               f"best of {args.rounds} rounds per row\n")  # fmt: skip
-        results = []
+        gloo_raw = gloo_loopback_gbps()
+        share = 100 * gloo_raw / memcpy
+        print(f"raw gloo broadcast over loopback (64 MiB, two threads): {gloo_raw:.2f} GB/s = "
+              f"{share:.1f}% of memcpy: the ceiling for gloo here\n")  # fmt: skip
+        results, sparse_s = [], 0.0
         for name, path in models.items():
             trainer = load_trainer(path)
             for case in CASES:
                 results.append(run_case(case, name, path, trainer, tmp, args.rounds))
+            if name == "default":
+                sparse_s = run_sparse(path, trainer, args.rounds, args.density)
             del trainer
             gc.collect()
     print_table(results, memcpy)
     print_targets(results, memcpy)
+    full = find(results, "gloo", "packed", "default")
+    print(
+        f"sparse at {100 * args.density:g}% density on default: {sparse_s:.3f} s, "
+        f"{full.total_s / sparse_s:.1f}x faster than a full gloo packed sync; target >= 20x"
+    )
     check_digests(results)
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--density", type=float, default=0.01, help="sparse: changed fraction")
     parser.add_argument("--layers", type=int, default=224, help="many-small model's layers")
     return parser.parse_args()
 

@@ -25,7 +25,7 @@ from hotswap.engine.sleep import (
     check_wake_tags,
     tags_for_level,
 )
-from hotswap.engine.weight_sync import WeightSync
+from hotswap.engine.weight_sync import WeightApplyError, WeightSync
 from hotswap.model.runner import ModelRunner, RunnerOutput
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -235,7 +235,11 @@ class EngineCore:
         checkpoint = (
             self.weight_sync.round is not None and self.weight_sync.round.is_checkpoint_format
         )
-        staged = self.weight_sync.finish(abort)
+        try:
+            staged = self.weight_sync.finish(abort)
+        except WeightApplyError:
+            self.sleep_state.weights_missing = True
+            raise
         if staged is None:
             return []
         if self.weight_sync.covers_model(staged, checkpoint):
@@ -285,6 +289,11 @@ class EngineCore:
         if self.weight_sync.round_open:  # the loop never gets here; direct callers might
             raise EngineStateError(
                 "a weight update round is open: no step runs until finish_weight_update"
+            )
+        if self.sleep_state.weights_missing:
+            raise EngineStateError(
+                "the weights are incomplete (discarded by sleep level 2, or an update failed "
+                "midway): no step runs until a complete round or a reload succeeds"
             )
         start = time.perf_counter()
         plan = self.scheduler.schedule()

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hotswap.engine.errors import EngineStateError
-from hotswap.weight_transfer.base import ParamMeta
+from hotswap.weight_transfer.base import Delta, ParamMeta
 from hotswap.weight_transfer.engine import (
     WeightTransferConfig,
     WeightTransferEngine,
@@ -34,6 +34,13 @@ class Round:
     is_checkpoint_format: bool
     started: float = field(default_factory=time.monotonic)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    deltas: list[tuple[str, Delta]] = field(default_factory=list)  # applied after `staged`
+
+
+class WeightApplyError(RuntimeError):
+    """Writing a validated stage into the model failed midway (not expected: shapes and
+    dtypes were checked). The weights are then incomplete and no step runs until a
+    complete round or a reload succeeds."""
 
 
 class WeightSync:
@@ -43,6 +50,9 @@ class WeightSync:
         self.model, self.config, self.device = model, config, device
         self.transfer: WeightTransferEngine | None = None
         self.round: Round | None = None
+        # Last round's receive buffers, reused by name: one extra copy of what was sent,
+        # held between rounds, so a round copies into warm memory (no page faults).
+        self._pool: dict[str, torch.Tensor] = {}
 
     @property
     def round_open(self) -> bool:
@@ -64,8 +74,8 @@ class WeightSync:
         if not isinstance(init_info, dict):
             raise ValueError("init_info: must be a JSON object")
         engine = create_transfer_engine(config, self.device)
-        if hasattr(engine, "current_weights"):  # delta backends patch what is loaded
-            engine.current_weights = self._current_checkpoint_tensor
+        if config.reuse_receive_buffers:
+            engine.allocate = self._pooled
         engine.init_transfer_engine(init_info)
         if self.transfer is not None:
             self.transfer.shutdown()
@@ -105,19 +115,26 @@ class WeightSync:
                 self.transfer, self.round = None, None
             raise
         problems = [p for m in metas if (p := self._check(m)) is not None]
+        if problems:  # drained into scratch memory: never over a buffer staged earlier
+            self.transfer.allocate = _fresh(self.device)
         received = self.transfer.receive_weights(update_info, metas)
         try:
             if problems:
                 _drain(received)  # keep the channel in step with the sender
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise ValueError(problems[0] + more)
-            for name, tensor in received:
-                self._check_received(name, tensor)
-                self.round.staged[name] = tensor
+            for name, item in received:  # as the checked metas describe (backend contract)
+                if isinstance(item, Delta):
+                    self.round.deltas.append((name, item))
+                else:
+                    self.round.staged[name] = item
         except ValueError:
             raise  # refused chunk: nothing staged from it is used; the round stays open
         except Exception as e:
             self._fail_transport(e)
+        finally:
+            if self.transfer is not None and self.config and self.config.reuse_receive_buffers:
+                self.transfer.allocate = self._pooled
         return len(metas)
 
     def finish(self, abort: bool = False) -> dict[str, torch.Tensor] | None:
@@ -148,17 +165,6 @@ class WeightSync:
     def covers_model(self, staged: Iterable[str], is_checkpoint_format: bool) -> bool:
         return not self._missing(set(staged), is_checkpoint_format)
 
-    def _current_checkpoint_tensor(self, name: str) -> torch.Tensor | None:
-        """What checkpoint tensor `name` holds now: staged earlier in this round, or
-        loaded in the model; None if the model has no such tensor."""
-        if self.round is not None and name in self.round.staged:
-            return self.round.staged[name]
-        try:
-            target = self.model.checkpoint_view(name)
-        except ValueError:
-            return None
-        return None if target is None else target[1]
-
     # -- validation -----------------------------------------------------------------------
     def _target(self, name: str, checkpoint: bool) -> tuple[str, torch.Tensor] | None:
         if checkpoint:
@@ -188,11 +194,6 @@ class WeightSync:
             )
         return None
 
-    def _check_received(self, name: str, tensor: torch.Tensor) -> None:
-        problem = self._check(ParamMeta.of(name, tensor))
-        if problem is not None:
-            raise ValueError(problem)
-
     def _missing(self, staged: set[str], checkpoint: bool) -> list[str]:
         if not checkpoint:
             return sorted({n for n, _ in self.model.named_parameters()} - staged)
@@ -215,25 +216,37 @@ class WeightSync:
             )
 
     # -- apply ----------------------------------------------------------------------------
+    def _pooled(self, meta: ParamMeta) -> torch.Tensor:
+        buffer = self._pool.get(meta.name)
+        if buffer is None or tuple(buffer.shape) != meta.shape or buffer.dtype != meta.dtype:
+            buffer = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            self._pool[meta.name] = buffer
+        return buffer
+
     @torch.no_grad()
     def _apply(self, round_: Round) -> None:
-        params = self.model.parameter_index()
-        touched = set()
-        for name in round_.staged:
-            target = self._target(name, round_.is_checkpoint_format)
-            if target is not None:
-                touched.add(target[0].partition("#")[0])
-        backup = {name: params[name].detach().clone() for name in touched}
+        """Every staged tensor was checked against its destination (name, shape, dtype
+        kind), so the copies cannot fail on the data; no full backup is kept (it would
+        double the cost of a sync). If a copy still fails, the model is declared
+        incomplete instead of being served half-written."""
         try:
             if round_.is_checkpoint_format:
                 self.model.load_weights(round_.staged.items())
             else:
+                params = self.model.parameter_index()
                 for name, tensor in round_.staged.items():
                     params[name].copy_(tensor)
-        except BaseException:
-            for name, saved in backup.items():
-                params[name].copy_(saved)
-            raise
+            for name, delta in round_.deltas:
+                target = self._target(name, round_.is_checkpoint_format)
+                if target is not None:
+                    flat = target[1].view(-1)  # checkpoint views are contiguous row ranges
+                    flat[delta.indices] = delta.values.to(flat.dtype)
+        except Exception as e:
+            raise WeightApplyError(
+                f"finish_weight_update: writing the weights failed midway ({type(e).__name__}: "
+                f"{e}); the weights are incomplete: no step runs until a complete round or a "
+                f"reload succeeds"
+            ) from e
 
     def _fail_transport(self, error: Exception) -> None:
         self.round = None
@@ -245,6 +258,10 @@ class WeightSync:
             f"was aborted, the engine keeps its previous weights; call "
             f"init_weight_transfer_engine again"
         ) from error
+
+
+def _fresh(device: torch.device):  # noqa: ANN202 - an Allocator
+    return lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device)
 
 
 def _drain(items: Iterator[tuple[str, torch.Tensor]]) -> None:

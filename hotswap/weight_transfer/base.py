@@ -57,7 +57,7 @@ class ParamMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty(0, dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> ParamMeta:
@@ -65,6 +65,15 @@ class ParamMeta:
 
     def describe(self) -> str:
         return f"{self.name} ({dtype_name(self.dtype)}, {list(self.shape)})"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Received from a delta backend instead of a full tensor: set `values` at the flat
+    `indices` of the named checkpoint tensor (indices already checked to be in range)."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
 
 
 def metas_to_update_info(metas: Sequence[ParamMeta]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ its training groups and an engine can be re-initialised after a failure."""
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -83,16 +83,18 @@ class BroadcastChannel:
         for work in works.values():
             work.wait()
 
-    def receive(self, metas: Sequence[ParamMeta]) -> list[tuple[str, torch.Tensor]]:
+    def receive(
+        self, metas: Sequence[ParamMeta], allocate: Callable[[ParamMeta], torch.Tensor]
+    ) -> list[tuple[str, torch.Tensor]]:
         if not self.packed:
             out = []
             for meta in metas:
-                tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                tensor = allocate(meta)
                 if tensor.numel():
                     self._broadcast(byte_view(tensor)).wait()
                 out.append((meta.name, tensor))
             return out
-        unpacker = Unpacker(metas, self.device)
+        unpacker = Unpacker(metas, allocate)
         lengths = buffer_lengths(metas, self.buffer_size)
         buffers = self._buffers()
         works = {}
@@ -145,7 +147,7 @@ class BroadcastEngine(WeightTransferEngine):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         if self.channel is None:
             raise RuntimeError("no broadcast group: call init_weight_transfer_engine first")
-        yield from self.channel.receive(metas)
+        yield from self.channel.receive(metas, self.allocate)
 
     def shutdown(self) -> None:
         self.channel = None  # dropping the group closes its connections

@@ -8,9 +8,11 @@ moves host memory and refuses CUDA tensors with a clear error."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -56,7 +58,7 @@ class IPCEngine(WeightTransferEngine):
                     f"update_info.shm_name: segment holds {segment.size} bytes, the listed "
                     f"tensors need {total}"
                 )
-            unpacker = Unpacker(metas)
+            unpacker = Unpacker(metas, self.allocate)
             data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total) if total else None
             if data is not None:
                 unpacker.feed(data)
@@ -92,10 +94,18 @@ class IPCTrainer(TrainerWeightTransferEngine):
 
     def connect(self) -> None:
         self.client.init_weight_transfer_engine({})
+        # Segments live across rounds (writing into fresh shared memory costs page faults:
+        # ~3x slower than a warm copy); unlinked by shutdown() or at interpreter exit.
+        self.segments: list[shared_memory.SharedMemory] = []
+        self._finalizer = weakref.finalize(self, _unlink_all, self.segments)
 
     def send_round(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:
-        for chunk in self._chunks(metas):
-            self._send_segment([metas[i] for i in chunk], [tensors[i] for i in chunk])
+        for index, chunk in enumerate(self._chunks(metas)):
+            self._send_segment(index, [metas[i] for i in chunk], [tensors[i] for i in chunk])
+
+    def shutdown(self) -> None:
+        if hasattr(self, "_finalizer"):
+            self._finalizer()
 
     def _chunks(self, metas: list[ParamMeta]) -> list[list[int]]:
         if not self.info.packed:
@@ -110,22 +120,40 @@ class IPCTrainer(TrainerWeightTransferEngine):
             used += meta.nbytes
         return chunks
 
-    def _send_segment(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:
+    def _segment(self, index: int, size: int) -> shared_memory.SharedMemory:
+        if index < len(self.segments) and self.segments[index].size >= size:
+            return self.segments[index]
+        segment = shared_memory.SharedMemory(
+            name=f"hotswap_{secrets.token_hex(8)}", create=True, size=max(size, 1)
+        )
+        if index < len(self.segments):
+            _unlink_all([self.segments[index]])
+            self.segments[index] = segment
+        else:
+            self.segments.append(segment)
+        return segment
+
+    def _send_segment(
+        self, index: int, metas: list[ParamMeta], tensors: list[torch.Tensor]
+    ) -> None:
         total = sum(m.nbytes for m in metas)
-        name = f"hotswap_{secrets.token_hex(8)}"
-        segment = shared_memory.SharedMemory(name=name, create=True, size=max(total, 1))
-        try:
-            if total:
-                data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total)
-                offset = 0
-                for tensor in tensors:
-                    if tensor.is_cuda:
-                        raise ValueError("ipc: CUDA tensors need CUDA IPC (not implemented)")
-                    src = byte_view(tensor.contiguous())
-                    data[offset : offset + src.numel()].copy_(src)
-                    offset += src.numel()
-                del data
-            self.client.update_weights({**metas_to_update_info(metas), "shm_name": name})
-        finally:
-            segment.close()
+        segment = self._segment(index, total)
+        if total:
+            data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total)
+            offset = 0
+            for tensor in tensors:
+                if tensor.is_cuda:
+                    raise ValueError("ipc: CUDA tensors need CUDA IPC (not implemented)")
+                src = byte_view(tensor.contiguous())
+                data[offset : offset + src.numel()].copy_(src)
+                offset += src.numel()
+            del data
+        self.client.update_weights({**metas_to_update_info(metas), "shm_name": segment.name})
+
+
+def _unlink_all(segments: list[shared_memory.SharedMemory]) -> None:
+    for segment in segments:
+        segment.close()
+        with contextlib.suppress(FileNotFoundError):
             segment.unlink()
+    segments.clear()

@@ -52,9 +52,14 @@ def pack(
 class Unpacker:
     """Receives the byte stream of `metas` buffer by buffer into freshly allocated tensors."""
 
-    def __init__(self, metas: Sequence[ParamMeta], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        metas: Sequence[ParamMeta],
+        allocate: Callable[[ParamMeta], torch.Tensor] | None = None,
+    ) -> None:
         self.metas = list(metas)
-        self.tensors = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas]
+        allocate = allocate or (lambda m: torch.empty(m.shape, dtype=m.dtype))
+        self.tensors = [allocate(m) for m in metas]
         self._views = [byte_view(t) for t in self.tensors]
         self._index, self._pos = 0, 0
 

@@ -1,27 +1,31 @@
 """`sparse`: delta patches — flat indices + new values per checkpoint tensor — broadcast
 over the same group as `gloo`/`nccl`. The wire cost is proportional to the number of
-changed elements; on the engine each patch is applied to a copy of the current checkpoint
-tensor, which then goes through the usual validation, staging and all-or-nothing commit.
+changed elements, and so is the engine's work: patches are validated (names, shapes,
+index ranges) and staged as indices + values, then written in place at the commit.
 
 update_info: names, dtype_names (of the values), shapes (full checkpoint shapes) and nnz;
-the data stream is, per patch, its int64 indices then its values."""
+the data stream is, per patch, its indices (int32 while every tensor has < 2**31
+elements, else int64) then its values."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from hotswap.weight_transfer.base import ParamMeta, metas_from_update_info, metas_to_update_info
+from hotswap.weight_transfer.base import (
+    Delta,
+    ParamMeta,
+    metas_from_update_info,
+    metas_to_update_info,
+)
 from hotswap.weight_transfer.broadcast import BroadcastEngine
 from hotswap.weight_transfer.broadcast_trainer import BroadcastTrainer, GlooTrainerInitInfo
 from hotswap.weight_transfer.engine import register_backend
 from hotswap.weight_transfer.trainer import WeightTransferTrainerFactory, run_alongside
-
-CurrentWeights = Callable[[str], torch.Tensor | None]
 
 
 @dataclass(frozen=True)
@@ -56,18 +60,26 @@ def diff_patches(
     return patches
 
 
+def index_dtype(metas: Sequence[ParamMeta]) -> torch.dtype:
+    """int32 indices while every tensor has fewer than 2**31 elements (half the bytes)."""
+    return torch.int32 if all(m.numel < 2**31 for m in metas) else torch.int64
+
+
 def _wire_metas(metas: Sequence[ParamMeta], nnz: Sequence[int]) -> list[ParamMeta]:
+    indices = index_dtype(metas)
     wire = []
     for meta, count in zip(metas, nnz):
-        wire.append(ParamMeta(f"{meta.name}#indices", torch.int64, (count,)))
+        wire.append(ParamMeta(f"{meta.name}#indices", indices, (count,)))
         wire.append(ParamMeta(f"{meta.name}#values", meta.dtype, (count,)))
     return wire
 
 
 @register_backend("sparse")
 class SparseEngine(BroadcastEngine):
+    """Yields `Delta`s: the engine stages only indices and values (O(changed elements))
+    and writes them into the loaded weights at commit."""
+
     backend: ClassVar[str] = "sparse"
-    current_weights: CurrentWeights | None = None  # bound by the engine's WeightSync
 
     def parse_update_info(self, update_info: dict[str, Any]) -> list[ParamMeta]:
         metas = metas_from_update_info(update_info)
@@ -83,27 +95,16 @@ class SparseEngine(BroadcastEngine):
 
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+    ) -> Iterator[tuple[str, Delta]]:
         if self.channel is None:
             raise RuntimeError("no broadcast group: call init_weight_transfer_engine first")
-        received = self.channel.receive(_wire_metas(metas, update_info["nnz"]))
+        fresh = lambda m: torch.empty(m.shape, dtype=m.dtype, device=self.device)  # noqa: E731
+        received = self.channel.receive(_wire_metas(metas, update_info["nnz"]), fresh)
         for i, meta in enumerate(metas):
             indices, values = received[2 * i][1], received[2 * i + 1][1]
-            yield meta.name, self._patched(meta, indices, values)
-
-    def _patched(
-        self, meta: ParamMeta, indices: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        current = self.current_weights(meta.name) if self.current_weights else None
-        if current is None or tuple(current.shape) != meta.shape:
-            # Not a weight the model has (or a wrong shape): hand the validator a tensor
-            # that describes what was sent, so it names the problem.
-            return torch.zeros(meta.shape, dtype=meta.dtype)
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= meta.numel):
-            raise ValueError(f"patch {meta.name!r}: an index is outside 0..{meta.numel - 1}")
-        full = current.detach().to(meta.dtype).clone()
-        full.view(-1)[indices] = values
-        return full
+            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= meta.numel):
+                raise ValueError(f"patch {meta.name!r}: an index is outside 0..{meta.numel - 1}")
+            yield meta.name, Delta(indices.to(torch.int64), values)
 
 
 @dataclass(kw_only=True)
@@ -126,7 +127,8 @@ class SparseTrainer(BroadcastTrainer):
             return
         metas = [ParamMeta(p.name, p.values.dtype, p.shape) for p in patches]
         info = {**metas_to_update_info(metas), "nnz": [p.indices.numel() for p in patches]}
-        tensors = [t for p in patches for t in (p.indices.to(torch.int64), p.values)]
+        indices = index_dtype(metas)
+        tensors = [t for p in patches for t in (p.indices.to(indices), p.values)]
         self.client.start_weight_update(is_checkpoint_format=True)
         try:
             run_alongside(

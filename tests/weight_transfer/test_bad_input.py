@@ -133,9 +133,10 @@ def test_trainer_side_disagreement_is_caught_before_the_engine_hears(v1_dir) -> 
     assert llm.get_weight_info()["version"] == 0
 
 
-def test_apply_failure_rolls_back(v1_dir, monkeypatch) -> None:
+def test_a_write_failing_midway_stops_generation_until_a_complete_round(
+    v1_dir, v2_trainer, monkeypatch
+) -> None:
     llm = make_llm(v1_dir)
-    before = llm.get_weight_info()
     model = llm.engine.runner.model
     original = model.load_weights
 
@@ -145,9 +146,17 @@ def test_apply_failure_rolls_back(v1_dir, monkeypatch) -> None:
         raise RuntimeError("disk on fire")
 
     monkeypatch.setattr(model, "load_weights", half_then_fail)
-    with pytest.raises(RuntimeError, match="disk on fire"):
+    with pytest.raises(RuntimeError, match="weights are incomplete"):
         send(llm, [(NORM, torch.ones(64)), ("lm_head.weight", torch.ones(384, 64))])
-    assert llm.get_weight_info() == before
+    with pytest.raises(EngineStateError, match="weights are incomplete"):
+        llm.generate(["never on half-written weights"], use_tqdm=False)
+    monkeypatch.setattr(model, "load_weights", original)
+    with pytest.raises(EngineStateError, match="weights are incomplete"):  # partial: not enough
+        send(llm, [(NORM, torch.ones(64))]) or llm.generate(["still refused"], use_tqdm=False)
+    WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(), InProcessWeightSyncClient(llm), ModuleSource(v2_trainer)
+    ).send_weights("complete")
+    assert llm.generate(["runs again"], use_tqdm=False)[0].finished
 
 
 def test_engine_refusal_reaches_a_gloo_trainer_at_once(v1_dir, v2_trainer) -> None:

@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the model's parameters. Returns the names of the
         model's own parameters that were (fully or partly) written."""
-        params = dict(self.named_parameters())
+        params = self.parameter_index()
         loaded: set[str] = set()
         for name, tensor in weights:
             target = self._map_name(name)
@@ -257,6 +257,11 @@ class LlamaForCausalLM(nn.Module):
     def expected_checkpoint_keys(self) -> set[str]:
         """What load_weights must have seen for the model to be complete (fused params
         count once per shard)."""
+        if getattr(self, "_expected_keys", None) is None:
+            self._expected_keys = frozenset(self._list_expected_keys())
+        return set(self._expected_keys)
+
+    def _list_expected_keys(self) -> set[str]:
         keys = set()
         for name, _ in self.named_parameters():
             if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
