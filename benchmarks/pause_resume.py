@@ -133,8 +133,8 @@ def main() -> None:
     parser.add_argument(
         "--prefill-cap",
         type=int,
-        default=512,
-        help="max_prefill_tokens_while_decoding (0: no cap)",
+        default=0,
+        help="max_prefill_tokens_while_decoding (0: no cap, the default)",
     )
     asyncio.run(measure(parser.parse_args()))
 

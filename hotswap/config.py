@@ -72,8 +72,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # While any request is decoding, prefill (new prompts, chunks) gets at most this many
     # tokens of a step, so a burst of new prompts cannot stretch the step that running
-    # requests (and a pause in keep mode) wait for. None: no cap beyond the budget.
-    max_prefill_tokens_while_decoding: int | None = 512
+    # requests (and a pause in keep mode) wait for. None (default): no cap beyond the
+    # budget; 512 costs 5-10% throughput on 64 mixed requests here.
+    max_prefill_tokens_while_decoding: int | None = None
     enable_chunked_prefill: bool = True
     max_model_len: int = 8192
 
@@ -106,7 +107,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
-    max_prefill_tokens_while_decoding: int | None = 512
+    max_prefill_tokens_while_decoding: int | None = None
     enable_chunked_prefill: bool = True
     batch_invariant: bool = False
     device: str = "cpu"

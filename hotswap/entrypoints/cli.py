@@ -54,7 +54,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-prefill-tokens-while-decoding",
         type=int,
-        default=512,
+        default=None,
         help="cap on prefill tokens in a step while requests decode (bounds step time)",
     )
     group.add_argument(
