@@ -26,6 +26,7 @@ import zmq  # noqa: E402  (grouped with the transport it serves)
 from hotswap.config import EngineArgs, EngineConfig
 from hotswap.engine.core import EngineCore
 from hotswap.engine.core_loop import EngineCoreLoop, InputKind
+from hotswap.engine.core_proc import SOCKET_DIR_PREFIX
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.wire import READY, decode_outputs, encode_input
 
@@ -88,7 +89,7 @@ class MPEngineClient(EngineCoreClient):
     POLL_MS = 100
 
     def __init__(self, engine_args: EngineArgs, startup_timeout: float = 600.0) -> None:
-        self.tmpdir = tempfile.mkdtemp(prefix="hotswap-core-")
+        self.tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
         self.context = zmq.Context()
         self.input = self.context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)  # queue without limit while the core is busy

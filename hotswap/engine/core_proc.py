@@ -11,10 +11,12 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -28,6 +30,7 @@ from hotswap.engine.wire import READY, decode_input, encode_outputs
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 1.0
+SOCKET_DIR_PREFIX = "hotswap-core-"  # as the front-end names it (core_client.py)
 
 
 def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
@@ -74,11 +77,15 @@ def _read_inputs(sock: zmq.Socket, inbox: queue.Queue[tuple[InputKind, Any]]) ->
         os._exit(1)
 
 
-def _watch_parent(parent_pid: int) -> None:
+def _watch_parent(parent_pid: int, input_addr: str) -> None:
     """Exit when the front-end process is gone (killed without a chance to shut us down),
-    so no orphaned engine keeps its memory."""
+    so no orphaned engine keeps its memory, and remove the sockets' private directory the
+    front-end can no longer clean up."""
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_S)
+    socket_dir = Path(input_addr.removeprefix("ipc://")).parent
+    if socket_dir.name.startswith(SOCKET_DIR_PREFIX):
+        shutil.rmtree(socket_dir, ignore_errors=True)
     os._exit(1)
 
 
@@ -87,7 +94,10 @@ def main(argv: list[str]) -> None:
     # Ctrl-C reaches the whole process group; the front-end owns our shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(
-        target=_watch_parent, args=(os.getppid(),), name="hotswap-parent-watch", daemon=True
+        target=_watch_parent,
+        args=(os.getppid(), input_addr),
+        name="hotswap-parent-watch",
+        daemon=True,
     ).start()
     config = EngineArgs(**json.loads(args_json)).create_engine_config()
     run_engine_core_process(config, input_addr, output_addr)
