@@ -353,3 +353,33 @@ def test_shutdown_leaves_no_process_or_socket(make_engine, transport: str) -> No
             await llm.is_paused()
 
     asyncio.run(scenario())
+
+
+def test_engine_process_exits_and_cleans_up_when_its_parent_is_killed(tiny_llama) -> None:
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = (
+        "import sys, time\n"
+        "from hotswap import AsyncLLM\n"
+        f"llm = AsyncLLM({str(tiny_llama)!r}, multiprocess=True, progress=False)\n"
+        "print(llm.client.process.pid, llm.client.tmpdir, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child_pid, socket_dir = parent.stdout.readline().split()
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(int(child_pid), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(int(child_pid), signal.SIGKILL)
+        raise AssertionError("the engine process outlived its parent")
+    assert not Path(socket_dir).exists()

@@ -11,6 +11,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from hotswap.weight_transfer import (
     GlooTrainerInitInfo,
@@ -160,3 +161,28 @@ def test_weight_routes_need_control_and_config(v1_dir) -> None:
         assert r.status_code == 409 and "not configured" in r.json()["error"]["message"]
     with RemoteServer(v1_dir, "--served-model-name", "tiny") as server:
         assert httpx.post(f"{server.url}/start_weight_update").status_code == 404
+
+
+def test_sparse_and_disk_over_http(v1_dir, v1_trainer, tmp_path) -> None:
+    from hotswap.weight_transfer import DiskTrainerInitInfo, SparsePatch, SparseTrainerInitInfo
+
+    norm = v1_trainer.model.norm.weight.detach()
+    with RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", '{"backend": "sparse"}') as srv:
+        before = reference_digest(srv)
+        client = HTTPWeightSyncClient(srv.url)
+        info = SparseTrainerInitInfo(master_port=free_port(), world_size=2)
+        engine = WeightTransferTrainerFactory.trainer_init(info, client, None)
+        patch = SparsePatch("model.norm.weight", tuple(norm.shape), torch.tensor([1, 7]),
+                            torch.tensor([5.0, -5.0]))  # fmt: skip
+        engine.send_patches([patch], "patched")
+        assert reference_digest(srv) != before
+        engine.send_patches([SparsePatch(patch.name, patch.shape, patch.indices, norm[[1, 7]])])
+        assert reference_digest(srv) == before  # patched back
+    with RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", '{"backend": "disk"}') as srv:
+        before = reference_digest(srv)
+        client = HTTPWeightSyncClient(srv.url)
+        info = DiskTrainerInitInfo(directory=str(tmp_path / "sync"))
+        engine = WeightTransferTrainerFactory.trainer_init(info, client, ModuleSource(v1_trainer))
+        engine.send_weights("from-disk")
+        assert client.weight_info() == {"weight_version": "from-disk", "version": 1,
+                                        "digest": before}  # fmt: skip
