@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
-from hotswap.weight_transfer.packing import Unpacker, buffer_lengths, byte_view, pack
+from hotswap.weight_transfer.packing import arena_meta, buffer_lengths, byte_view, pack, views
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_NUM_BUFFERS = 2
@@ -94,20 +94,16 @@ class BroadcastChannel:
                     self._broadcast(byte_view(tensor)).wait()
                 out.append((meta.name, tensor))
             return out
-        unpacker = Unpacker(metas, allocate)
-        lengths = buffer_lengths(metas, self.buffer_size)
-        buffers = self._buffers()
-        works = {}
-        for i in range(min(self.num_buffers, len(lengths))):
-            works[i] = self._broadcast(buffers[i][: lengths[i]])
-        for i, length in enumerate(lengths):
-            works.pop(i).wait()
-            unpacker.feed(buffers[i % self.num_buffers][:length])
-            following = i + self.num_buffers
-            if following < len(lengths):
-                buffer = buffers[following % self.num_buffers][: lengths[following]]
-                works[following] = self._broadcast(buffer)
-        return unpacker.items()
+        # Receive straight into one flat layout (distinct memory per buffer, so every
+        # broadcast can be posted at once); the tensors are views of it.
+        arena = allocate(arena_meta(metas))
+        works, start = [], 0
+        for length in buffer_lengths(metas, self.buffer_size):
+            works.append(self._broadcast(arena[start : start + length]))
+            start += length
+        for work in works:
+            work.wait()
+        return views(metas, arena)
 
 
 class BroadcastEngine(WeightTransferEngine):

@@ -22,7 +22,7 @@ import torch
 
 from hotswap.weight_transfer.base import ParamMeta, metas_to_update_info
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
-from hotswap.weight_transfer.packing import Unpacker, byte_view
+from hotswap.weight_transfer.packing import arena_meta, layout, pack, views
 from hotswap.weight_transfer.trainer import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -47,7 +47,7 @@ class IPCEngine(WeightTransferEngine):
         name = update_info.get("shm_name")
         if not isinstance(name, str) or not _SEGMENT_NAME.match(name):
             raise ValueError(f"update_info.shm_name: not a shared-memory segment name: {name!r}")
-        total = sum(m.nbytes for m in metas)
+        total = layout(metas)[1]
         try:
             segment = _attach(name)
         except FileNotFoundError:
@@ -58,14 +58,14 @@ class IPCEngine(WeightTransferEngine):
                     f"update_info.shm_name: segment holds {segment.size} bytes, the listed "
                     f"tensors need {total}"
                 )
-            unpacker = Unpacker(metas, self.allocate)
-            data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total) if total else None
-            if data is not None:
-                unpacker.feed(data)
-                del data  # release the exported buffer before closing the segment
+            arena = self.allocate(arena_meta(metas))
+            if total:
+                shared = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total)
+                arena.copy_(shared)  # one copy for the whole chunk
+                del shared  # release the exported buffer before closing the segment
         finally:
             segment.close()
-        yield from unpacker.items()
+        yield from views(metas, arena)
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -136,17 +136,14 @@ class IPCTrainer(TrainerWeightTransferEngine):
     def _send_segment(
         self, index: int, metas: list[ParamMeta], tensors: list[torch.Tensor]
     ) -> None:
-        total = sum(m.nbytes for m in metas)
+        if any(t.is_cuda for t in tensors):
+            raise ValueError("ipc: CUDA tensors need CUDA IPC (not implemented)")
+        total = layout(metas)[1]
         segment = self._segment(index, total)
         if total:
             data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total)
-            offset = 0
-            for tensor in tensors:
-                if tensor.is_cuda:
-                    raise ValueError("ipc: CUDA tensors need CUDA IPC (not implemented)")
-                src = byte_view(tensor.contiguous())
-                data[offset : offset + src.numel()].copy_(src)
-                offset += src.numel()
+            for _ in pack(tensors, [data], lambda i: None):  # one torch.cat into the segment
+                pass
             del data
         self.client.update_weights({**metas_to_update_info(metas), "shm_name": segment.name})
 

@@ -1,6 +1,8 @@
-"""Packed transfer: the raw bytes of many tensors, back to back, cut into fixed-size
-buffers. Both sides derive the buffer boundaries from the same metadata, so a tensor may
-span buffers and no per-buffer header is needed."""
+"""Packed transfer: the bytes of many tensors laid out back to back (each at a 16-byte
+aligned offset, zero padding between), cut into fixed-size buffers. Both sides derive the
+layout and the buffer boundaries from the same metadata, so a tensor may span buffers and
+no header travels. The receiver keeps the whole layout in one flat byte tensor and hands
+out views of it: nothing is unpacked tensor by tensor."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import torch
 
 from hotswap.weight_transfer.base import ParamMeta
 
+ALIGN = 16  # every tensor starts at a multiple of this many bytes (any dtype can view it)
+
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor's storage."""
@@ -17,10 +21,32 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
 
 
+def layout(metas: Sequence[ParamMeta]) -> tuple[list[int], int]:
+    """(byte offset of each tensor, total bytes)."""
+    offsets, pos = [], 0
+    for meta in metas:
+        pos += -pos % ALIGN
+        offsets.append(pos)
+        pos += meta.nbytes
+    return offsets, pos
+
+
 def buffer_lengths(metas: Sequence[ParamMeta], buffer_size: int) -> list[int]:
-    total = sum(m.nbytes for m in metas)
+    total = layout(metas)[1]
     full, rest = divmod(total, buffer_size)
     return [buffer_size] * full + ([rest] if rest else [])
+
+
+def _stream(tensors: Sequence[torch.Tensor], device: torch.device) -> Iterator[torch.Tensor]:
+    """The layout as a sequence of byte pieces: padding, tensor, padding, tensor, ..."""
+    pos = 0
+    for tensor in tensors:
+        pad = -pos % ALIGN
+        if pad:
+            yield torch.zeros(pad, dtype=torch.uint8, device=device)
+        piece = byte_view(tensor.contiguous())
+        yield piece if piece.device == device else piece.to(device)
+        pos += pad + piece.numel()
 
 
 def pack(
@@ -28,50 +54,38 @@ def pack(
     buffers: Sequence[torch.Tensor],
     before_reuse: Callable[[int], None],
 ) -> Iterator[tuple[int, int]]:
-    """Copy the tensors' bytes into the rotating `buffers`, yielding (buffer index, bytes
-    used) as each one fills. `before_reuse(i)` runs before buffer i is written again (wait
-    for its previous send), so packing the next buffer overlaps sending this one."""
-    size = buffers[0].numel()
-    index, offset = 0, 0
+    """Fill the rotating `buffers` with the layout, one `torch.cat` per buffer, yielding
+    (buffer index, bytes used) as each is ready. `before_reuse(i)` runs before buffer i is
+    written again (wait for its previous send), so packing overlaps sending."""
+    size, device = buffers[0].numel(), buffers[0].device
+    index, used, pieces = 0, 0, []
     before_reuse(0)
-    for tensor in tensors:
-        src = byte_view(tensor.contiguous())
-        pos = 0
-        while pos < src.numel():
-            count = min(size - offset, src.numel() - pos)
-            buffers[index][offset : offset + count].copy_(src[pos : pos + count])
-            offset, pos = offset + count, pos + count
-            if offset == size:
+    for piece in _stream(tensors, device):
+        while piece.numel():
+            take = min(size - used, piece.numel())
+            pieces.append(piece[:take])
+            piece, used = piece[take:], used + take
+            if used == size:
+                torch.cat(pieces, out=buffers[index])
                 yield index, size
-                index, offset = (index + 1) % len(buffers), 0
+                index, used, pieces = (index + 1) % len(buffers), 0, []
                 before_reuse(index)
-    if offset:
-        yield index, offset
+    if used:
+        torch.cat(pieces, out=buffers[index][:used])
+        yield index, used
 
 
-class Unpacker:
-    """Receives the byte stream of `metas` buffer by buffer into freshly allocated tensors."""
+def views(metas: Sequence[ParamMeta], data: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of `metas`, as views of `data` (the received layout)."""
+    offsets, _ = layout(metas)
+    out = []
+    for meta, offset in zip(metas, offsets):
+        raw = data[offset : offset + meta.nbytes]
+        out.append((meta.name, raw.view(meta.dtype).view(meta.shape)))
+    return out
 
-    def __init__(
-        self,
-        metas: Sequence[ParamMeta],
-        allocate: Callable[[ParamMeta], torch.Tensor] | None = None,
-    ) -> None:
-        self.metas = list(metas)
-        allocate = allocate or (lambda m: torch.empty(m.shape, dtype=m.dtype))
-        self.tensors = [allocate(m) for m in metas]
-        self._views = [byte_view(t) for t in self.tensors]
-        self._index, self._pos = 0, 0
 
-    def feed(self, data: torch.Tensor) -> None:
-        offset = 0
-        while offset < data.numel():
-            while self._pos == self._views[self._index].numel():
-                self._index, self._pos = self._index + 1, 0
-            view = self._views[self._index]
-            count = min(view.numel() - self._pos, data.numel() - offset)
-            view[self._pos : self._pos + count].copy_(data[offset : offset + count])
-            self._pos, offset = self._pos + count, offset + count
-
-    def items(self) -> list[tuple[str, torch.Tensor]]:
-        return [(m.name, t) for m, t in zip(self.metas, self.tensors)]
+def arena_meta(metas: Sequence[ParamMeta]) -> ParamMeta:
+    """How to ask an allocator for a round chunk's receive memory (pooled per chunk)."""
+    first = metas[0].name if metas else ""
+    return ParamMeta(f"#packed:{first}", torch.uint8, (layout(metas)[1],))

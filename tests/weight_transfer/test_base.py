@@ -14,7 +14,7 @@ from hotswap.weight_transfer.base import (
     metas_from_update_info,
     metas_to_update_info,
 )
-from hotswap.weight_transfer.packing import Unpacker, buffer_lengths, pack
+from hotswap.weight_transfer.packing import ALIGN, buffer_lengths, layout, pack, views
 
 
 def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -31,25 +31,32 @@ def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("buffer_size,num_buffers", [(1, 1), (13, 2), (1000, 3), (1 << 20, 2)])
-def test_pack_unpack_round_trip(buffer_size: int, num_buffers: int) -> None:
+def test_pack_then_view_round_trip(buffer_size: int, num_buffers: int) -> None:
     items = mixed_tensors()
     metas = [ParamMeta.of(n, t) for n, t in items]
     buffers = [torch.empty(buffer_size, dtype=torch.uint8) for _ in range(num_buffers)]
-    unpacker = Unpacker(metas)
-    sent = []
+    received = []
     for index, used in pack([t for _, t in items], buffers, lambda i: None):
-        sent.append(used)
-        unpacker.feed(buffers[index][:used].clone())
-    assert sent == buffer_lengths(metas, buffer_size)
-    for (name, tensor), (got_name, got) in zip(items, unpacker.items()):
+        received.append(buffers[index][:used].clone())
+    assert [r.numel() for r in received] == buffer_lengths(metas, buffer_size)
+    data = torch.cat(received)
+    assert data.numel() == layout(metas)[1]
+    for (name, tensor), (got_name, got) in zip(items, views(metas, data)):
         assert got_name == name and got.dtype == tensor.dtype and torch.equal(got, tensor)
+
+
+def test_layout_aligns_every_tensor() -> None:
+    metas = [ParamMeta.of(n, t) for n, t in mixed_tensors()]
+    offsets, total = layout(metas)
+    assert all(offset % ALIGN == 0 for offset in offsets)
+    assert total == offsets[-1] + metas[-1].nbytes
 
 
 def test_empty_source_packs_nothing() -> None:
     buffers = [torch.empty(8, dtype=torch.uint8)]
     assert list(pack([], buffers, lambda i: None)) == []
     assert buffer_lengths([], 8) == []
-    assert Unpacker([]).items() == []
+    assert views([], torch.empty(0, dtype=torch.uint8)) == []
 
 
 def test_update_info_round_trip_and_errors() -> None:
