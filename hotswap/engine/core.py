@@ -165,6 +165,7 @@ class EngineCore:
             )
         check_sleep_level(level)
         check_pause_mode(mode)
+        self._refuse_during_weight_round("sleep")
         if not self.sleep_state.is_sleeping:
             self.sleep_state.resume_on_wake = not self.is_paused()
         return self.pause(mode, clear_cache=level >= 1)
@@ -208,6 +209,7 @@ class EngineCore:
             raise ValueError(f"weight_version: must be a non-empty string, got {label!r}")
         if WEIGHTS in self.sleep_state.asleep:
             raise EngineStateError("weights are asleep: wake_up(tags=['weights']) first")
+        self._refuse_during_weight_round("update_weights_from_disk")
         if not isinstance(model_dir, str) or not model_dir or not Path(model_dir).is_dir():
             raise ValueError(f"model_path: {model_dir!r} is not a directory")
         try:
@@ -245,6 +247,12 @@ class EngineCore:
         if self.weight_sync.covers_model(staged, checkpoint):
             self.sleep_state.weights_missing = False
         return self.update_weight_version(label or self.weight_label)
+
+    def _refuse_during_weight_round(self, what: str) -> None:
+        if self.weight_sync.round_open:
+            raise EngineStateError(
+                f"{what}: a weight update round is open; finish or abort it first"
+            )
 
     def weights_digest(self) -> str | None:
         """Digest of the loaded weights (cached per version); None while they sleep."""

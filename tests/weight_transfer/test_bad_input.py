@@ -184,3 +184,20 @@ def test_disk_trainer_never_touches_a_foreign_checkpoint(v1_dir, tmp_path) -> No
             TensorSource([]),
         )
     assert (tmp_path / "model.safetensors").read_bytes() == b"somebody's checkpoint"
+
+
+def test_sleep_and_disk_reload_wait_for_an_open_round(v1_dir) -> None:
+    llm = LLM(
+        str(v1_dir),
+        dtype="float32",
+        progress=False,
+        enable_sleep_mode=True,
+        weight_transfer_config={"backend": "ipc"},
+    )
+    llm.start_weight_update()
+    with pytest.raises(EngineStateError, match="round is open"):
+        llm.engine.sleep(2)
+    with pytest.raises(EngineStateError, match="round is open"):
+        llm.engine.load_weights_from_disk(str(v1_dir))
+    llm.finish_weight_update(abort=True)
+    assert llm.engine.sleep(2) == []  # allowed again once the round is closed
