@@ -8,7 +8,10 @@ its training groups and an engine can be re-initialised after a failure."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -22,6 +25,19 @@ from hotswap.weight_transfer.packing import arena_meta, buffer_lengths, byte_vie
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 120.0
+
+
+# Groups still open at interpreter exit are released by an atexit hook, while the runtime
+# is whole: a gloo group destroyed during finalisation can abort the process
+# ("terminate called without an active exception").
+_OPEN_CHANNELS: weakref.WeakSet[BroadcastChannel] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_channels() -> None:
+    for channel in list(_OPEN_CHANNELS):
+        channel.close()
+    gc.collect()
 
 
 def join_group(
@@ -53,10 +69,17 @@ class BroadcastChannel:
     def __init__(
         self, group: dist.ProcessGroup, device: torch.device, packed: bool, size: int, count: int
     ) -> None:
-        self.group, self.device = group, device
+        self.group: dist.ProcessGroup | None = group
+        self.device = device
         self.packed, self.buffer_size, self.num_buffers = packed, size, count
+        _OPEN_CHANNELS.add(self)
+
+    def close(self) -> None:
+        self.group = None  # the last reference: its destructor stops gloo's threads
 
     def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
+        if self.group is None:
+            raise RuntimeError("broadcast channel is closed")
         return self.group.broadcast(tensor, 0)
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -146,7 +169,9 @@ class BroadcastEngine(WeightTransferEngine):
         yield from self.channel.receive(metas, self.allocate)
 
     def shutdown(self) -> None:
-        self.channel = None  # dropping the group closes its connections
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = None
 
 
 @register_backend("gloo")
