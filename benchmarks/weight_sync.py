@@ -156,19 +156,24 @@ def gloo_loopback_gbps(nbytes: int = 64 * MIB, repeats: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-def run_sparse(path: Path, trainer: torch.nn.Module, rounds: int, density: float) -> float:
-    """Best seconds to send patches changing `density` of every tensor's elements."""
-    from hotswap.weight_transfer import SparseTrainerInitInfo, diff_patches
-
-    llm = LLM(
+def receiving_llm(path: Path, backend: str) -> LLM:
+    """The engine that receives: random starting weights, a small KV cache."""
+    return LLM(
         str(path),
         dtype="float32",
         load_format="dummy",
         num_kv_blocks=64,
         max_model_len=512,
         progress=False,
-        weight_transfer_config={"backend": "sparse"},
+        weight_transfer_config={"backend": backend},
     )
+
+
+def run_sparse(path: Path, trainer: torch.nn.Module, rounds: int, density: float) -> float:
+    """Best seconds to send patches changing `density` of every tensor's elements."""
+    from hotswap.weight_transfer import SparseTrainerInitInfo, diff_patches
+
+    llm = receiving_llm(path, "sparse")
     info = SparseTrainerInitInfo(master_port=free_port(), world_size=2)
     engine = WeightTransferTrainerFactory.trainer_init(info, InProcessWeightSyncClient(llm), None)
     gen = torch.Generator().manual_seed(0)
@@ -227,15 +232,7 @@ def load_trainer(path: Path) -> torch.nn.Module:
 def run_case(
     case: Case, model_name: str, path: Path, trainer: torch.nn.Module, tmp: Path, rounds: int
 ) -> Result:
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        load_format="dummy",
-        num_kv_blocks=64,
-        max_model_len=512,
-        progress=False,
-        weight_transfer_config={"backend": case.backend},
-    )
+    llm = receiving_llm(path, case.backend)
     client = TimedClient(llm)
     source = ModuleSource(trainer)
     engine = WeightTransferTrainerFactory.trainer_init(case.make_info(tmp), client, source)

@@ -1,6 +1,7 @@
 """Plumbing shared by the `rlhf_http_*.py` examples: start and stop a `hotswap serve`
-subprocess, generate through its OpenAI API, load the trainer-side model. The RL loop
-itself (pause, sync, resume) is spelled out in each example."""
+subprocess, generate through its OpenAI API, load the trainer-side model, and the
+demonstration both examples run (complete, sync, complete again). How each trainer sets up
+its channel is spelled out in the example itself."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -118,3 +119,28 @@ def load_trainer_model() -> torch.nn.Module:
     logging.disable_progress_bar()
     path = default_model_dir()
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def sync_round(url: str, engine: Any, model: torch.nn.Module, channel: str) -> None:
+    """One update as an RL loop does it: pause in keep mode, send every weight, resume."""
+    print(f"pause: {control(url, 'POST', '/pause?mode=keep')}")
+    start = time.perf_counter()
+    engine.send_weights("real-weights")
+    millions = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"sent {millions:.0f}M parameters {channel} in {time.perf_counter() - start:.2f} s")
+    print(f"resume: {control(url, 'POST', '/resume')}")
+    engine.shutdown()
+    engine.client.close()
+
+
+def demo(weight_transfer_config: dict[str, Any], sync_weights: Callable[[str], None]) -> None:
+    """Random weights answer gibberish; after `sync_weights(url)` the same prompt doesn't."""
+    with serve(weight_transfer_config) as (name, url):
+        print(f"server: {name} at {url}")
+        print(f"weight_info before: {control(url, 'GET', '/weight_info')}")
+        text, spans = complete(url, name)
+        print(f"random weights: {PROMPT!r} -> {text!r}\n  weight_versions: {spans}")
+        sync_weights(url)
+        print(f"weight_info after:  {control(url, 'GET', '/weight_info')}")
+        text, spans = complete(url, name)
+        print(f"real weights:   {PROMPT!r} -> {text!r}\n  weight_versions: {spans}")

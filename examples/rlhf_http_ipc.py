@@ -13,9 +13,7 @@ same prompt completes sensibly. No group to join: the ipc engine needs no rendez
 
 from __future__ import annotations
 
-import time
-
-from _rlhf_http import PROMPT, complete, control, load_trainer_model, serve
+from _rlhf_http import demo, load_trainer_model, sync_round
 
 from hotswap.weight_transfer import (
     HTTPWeightSyncClient,
@@ -35,26 +33,11 @@ def sync_weights(url: str) -> None:
     engine = WeightTransferTrainerFactory.trainer_init(
         info, client=client, source=ModuleSource(model)
     )
-    print(f"pause: {control(url, 'POST', '/pause?mode=keep')}")
-    start = time.perf_counter()
-    engine.send_weights("real-weights")
-    print(f"sent {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters through "
-          f"shared memory in {time.perf_counter() - start:.2f} s")  # fmt: skip
-    print(f"resume: {control(url, 'POST', '/resume')}")
-    engine.shutdown()
-    client.close()
+    sync_round(url, engine, model, "through shared memory")
 
 
 def main() -> None:
-    with serve({"backend": "ipc"}) as (name, url):
-        print(f"server: {name} at {url}")
-        print(f"weight_info before: {control(url, 'GET', '/weight_info')}")
-        text, spans = complete(url, name)
-        print(f"random weights: {PROMPT!r} -> {text!r}\n  weight_versions: {spans}")
-        sync_weights(url)
-        print(f"weight_info after:  {control(url, 'GET', '/weight_info')}")
-        text, spans = complete(url, name)
-        print(f"real weights:   {PROMPT!r} -> {text!r}\n  weight_versions: {spans}")
+    demo({"backend": "ipc"}, sync_weights)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
-from pathlib import Path
 
 import torch
 
@@ -210,12 +209,11 @@ class EngineCore:
         if WEIGHTS in self.sleep_state.asleep:
             raise EngineStateError("weights are asleep: wake_up(tags=['weights']) first")
         self._refuse_during_weight_round("update_weights_from_disk")
-        if not isinstance(model_dir, str) or not model_dir or not Path(model_dir).is_dir():
-            raise ValueError(f"model_path: {model_dir!r} is not a directory")
         try:
-            self.runner.load_weights_from_disk(Path(model_dir))
-        except FileNotFoundError as e:
-            raise ValueError(f"model_path: {e}") from e
+            self.weight_sync.reload_from_disk(model_dir)
+        except WeightApplyError:
+            self.sleep_state.weights_missing = True
+            raise
         self.sleep_state.weights_missing = False
         return self.update_weight_version(label or model_dir)
 

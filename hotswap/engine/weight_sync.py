@@ -153,6 +153,24 @@ class WeightSync:
         self._apply(round_)
         return round_.staged
 
+    def reload_from_disk(self, model_dir: str) -> None:
+        """One complete checkpoint-format round from a safetensors directory, whatever
+        backend is configured (SGLang's /update_weights_from_disk; reloading after sleep
+        level 2): the same validation, staging and commit as any round."""
+        from hotswap.weight_transfer.disk import DiskEngine
+
+        if self.round_open:
+            raise EngineStateError("update_weights_from_disk: a round is open; finish it first")
+        configured, self.transfer = self.transfer, DiskEngine(self.device)
+        self.round = Round(is_checkpoint_format=True)
+        try:
+            self.update({"model_path": model_dir})
+            round_, self.round = self.round, None
+            self._check_complete(round_)
+            self._apply(round_)
+        finally:
+            self.round, self.transfer = None, configured
+
     def expire(self, timeout_s: float) -> bool:
         """Abort a round left open longer than `timeout_s` (a trainer that died between
         calls); True if one was aborted."""
@@ -211,8 +229,8 @@ class WeightSync:
                 f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             )
             raise ValueError(
-                f"finish_weight_update: the round does not cover every weight (missing "
-                f"{shown}); require_complete is set, so nothing was applied"
+                f"weights: the round does not cover every weight (missing weights for "
+                f"{shown}); nothing was applied"
             )
 
     # -- apply ----------------------------------------------------------------------------

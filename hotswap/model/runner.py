@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -16,7 +15,7 @@ from hotswap.model.attention import (
     TorchPagedAttention,
     build_metadata,
 )
-from hotswap.model.loader import build_model, load_checkpoint
+from hotswap.model.loader import build_model
 from hotswap.model.residency import WeightResidency
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs
 
@@ -88,18 +87,6 @@ class ModelRunner:
             self.model.bind_kv_cache(self.kv_caches)
 
     # -- weights --------------------------------------------------------------------------
-    @torch.no_grad()
-    def load_weights_from_disk(self, model_dir: Path) -> None:
-        """All or nothing: the checkpoint must cover every weight with the right shapes;
-        on any failure the previous weights are put back before the error is raised."""
-        saved = {name: p.detach().clone() for name, p in self.model.named_parameters()}
-        try:
-            load_checkpoint(self.model, model_dir, progress=False)
-        except BaseException:
-            for name, param in self.model.named_parameters():
-                param.copy_(saved[name])
-            raise
-
     def weights_digest(self) -> str:
         """blake2b over every parameter's name, dtype, shape and bytes, in name order."""
         digest = hashlib.blake2b(digest_size=16)

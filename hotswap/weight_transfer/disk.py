@@ -26,11 +26,11 @@ from hotswap.weight_transfer.trainer import (
 def _files(update_info: dict[str, Any]) -> list[Path]:
     path = update_info.get("model_path")
     if not isinstance(path, str) or not path or not Path(path).is_dir():
-        raise ValueError(f"update_info.model_path: {path!r} is not a directory")
+        raise ValueError(f"model_path: {path!r} is not a directory")
     try:
         return safetensors_files(Path(path))
     except FileNotFoundError as e:
-        raise ValueError(f"update_info.model_path: {e}") from None
+        raise ValueError(f"model_path: {e}") from None
 
 
 @register_backend("disk")
