@@ -10,7 +10,8 @@ from random weights, through `InProcessWeightSyncClient`; best of `--rounds` rou
 - default: the built-in SmolLM2-135M-Instruct (272 tensors, 538 MB).
 
 Backends: gloo packed (2 x 64 MiB rotating buffers) and unpacked (one broadcast per tensor),
-ipc unpacked (one shared-memory segment) and packed (64 MiB segments), disk (safetensors).
+ipc unpacked (one staging segment), packed (64 MiB staging segments) and shared (the trainer's
+parameters live in shared memory and are sent in place), disk (safetensors).
 
 `total` is what a trainer sees: `send_weights()` from call to return (source check, start,
 data plane, the engine's validation and staging, finish = all-or-nothing apply).
@@ -45,6 +46,7 @@ from hotswap.default_model import default_model_dir
 from hotswap.weight_transfer import (
     DiskTrainerInitInfo,
     GlooTrainerInitInfo,
+    HTTPWeightSyncClient,
     InProcessWeightSyncClient,
     IPCTrainerInitInfo,
     ModuleSource,
@@ -78,6 +80,8 @@ CASES = [
         lambda _: IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=BUFFER_BYTES),
     ),
     Case("disk", "-", lambda tmp: DiskTrainerInitInfo(directory=str(tmp / "disk"))),
+    # Last: it moves the trainer's parameters into shared memory for good.
+    Case("ipc", "shared", lambda _: IPCTrainerInitInfo(share_source=True)),
 ]
 
 
@@ -91,22 +95,34 @@ class Result:
     digest: str | None
 
 
-class TimedClient(InProcessWeightSyncClient):
-    """Records how long the engine spends in the start and finish (apply) calls."""
+class ControlTimer:
+    """Client mixin: records how long the engine spends in the start and finish (apply)
+    calls."""
 
-    def __init__(self, llm: LLM) -> None:
-        super().__init__(llm)
-        self.control_s = 0.0
+    control_s = 0.0
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         start = time.perf_counter()
-        super().start_weight_update(is_checkpoint_format)
+        super().start_weight_update(is_checkpoint_format)  # type: ignore[misc]
         self.control_s += time.perf_counter() - start
 
     def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
         start = time.perf_counter()
-        super().finish_weight_update(weight_version, abort)
+        super().finish_weight_update(weight_version, abort)  # type: ignore[misc]
         self.control_s += time.perf_counter() - start
+
+
+class TimedInProcessClient(ControlTimer, InProcessWeightSyncClient):
+    def digest(self) -> str:
+        return self.llm.get_weight_info()["digest"]
+
+
+class TimedHTTPClient(ControlTimer, HTTPWeightSyncClient):
+    def digest(self) -> str:
+        return self.weight_info()["digest"]
+
+
+TimedClient = TimedInProcessClient | TimedHTTPClient
 
 
 def free_port() -> int:
@@ -156,26 +172,44 @@ def gloo_loopback_gbps(nbytes: int = 64 * MIB, repeats: int = 3) -> float:
     return nbytes / best / 1e9
 
 
-def receiving_llm(path: Path, backend: str) -> LLM:
-    """The engine that receives: random starting weights, a small KV cache."""
-    return LLM(
-        str(path),
-        dtype="float32",
-        load_format="dummy",
-        num_kv_blocks=64,
-        max_model_len=512,
-        progress=False,
-        weight_transfer_config={"backend": backend},
-    )
+@contextlib.contextmanager
+def receiver(path: Path, backend: str, engine: str) -> Iterator[TimedClient]:
+    """The engine that receives (random starting weights, a small KV cache): an `LLM` in
+    this process, or a `hotswap serve` process driven over HTTP (what an RL trainer runs)."""
+    settings = dict(dtype="float32", load_format="dummy", num_kv_blocks=64, max_model_len=512)
+    if engine == "in-process":
+        config = {"backend": backend}
+        yield TimedInProcessClient(
+            LLM(str(path), progress=False, weight_transfer_config=config, **settings)
+        )
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.helpers.server import RemoteServer
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    config = f'--weight-transfer-config={{"backend": "{backend}"}}'
+    server = RemoteServer(path, *flags, config, "--enable-control")
+    client = TimedHTTPClient(server.url)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop()
 
 
-def run_sparse(path: Path, trainer: torch.nn.Module, rounds: int, density: float) -> float:
+def run_sparse(path: Path, trainer: torch.nn.Module, args: argparse.Namespace) -> float:
     """Best seconds to send patches changing `density` of every tensor's elements."""
+    with receiver(path, "sparse", args.engine) as client:
+        return _sparse_rounds(client, trainer, args.rounds, args.density)
+
+
+def _sparse_rounds(
+    client: TimedClient, trainer: torch.nn.Module, rounds: int, density: float
+) -> float:
     from hotswap.weight_transfer import SparseTrainerInitInfo, diff_patches
 
-    llm = receiving_llm(path, "sparse")
     info = SparseTrainerInitInfo(master_port=free_port(), world_size=2)
-    engine = WeightTransferTrainerFactory.trainer_init(info, InProcessWeightSyncClient(llm), None)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client, None)
     gen = torch.Generator().manual_seed(0)
     before = {name: p.detach() for name, p in trainer.named_parameters()}
     after = {
@@ -230,16 +264,14 @@ def load_trainer(path: Path) -> torch.nn.Module:
 
 
 def run_case(
-    case: Case, model_name: str, path: Path, trainer: torch.nn.Module, tmp: Path, rounds: int
+    case: Case, model_name: str, path: Path, trainer: torch.nn.Module, tmp: Path, args
 ) -> Result:
-    llm = receiving_llm(path, case.backend)
-    client = TimedClient(llm)
     source = ModuleSource(trainer)
-    engine = WeightTransferTrainerFactory.trainer_init(case.make_info(tmp), client, source)
-    total_s, xfer_s = best_of(engine, client, rounds)
-    digest = llm.get_weight_info()["digest"]
-    engine.shutdown()
-    del engine, client, llm
+    with receiver(path, case.backend, args.engine) as client:
+        engine = WeightTransferTrainerFactory.trainer_init(case.make_info(tmp), client, source)
+        total_s, xfer_s = best_of(engine, client, args.rounds)
+        digest = client.digest()
+        engine.shutdown()
     gc.collect()
     nbytes = sum(m.nbytes for m in source.metadata())
     return Result(case, model_name, total_s, xfer_s, nbytes, digest)
@@ -309,7 +341,8 @@ def main(args: argparse.Namespace) -> None:
         memcpy, fresh = memcpy_gbps()
         print(f"memcpy (torch copy_, 256 MiB fp32, {torch.get_num_threads()} threads): "
               f"{memcpy:.2f} GB/s (into freshly allocated memory: {fresh:.2f} GB/s); "
-              f"best of {args.rounds} rounds per row\n")  # fmt: skip
+              f"best of {args.rounds} rounds per row; receiving engine: "
+              f"{args.engine}\n")  # fmt: skip
         gloo_raw = gloo_loopback_gbps()
         share = 100 * gloo_raw / memcpy
         print(f"raw gloo broadcast over loopback (64 MiB, two threads): {gloo_raw:.2f} GB/s = "
@@ -318,9 +351,9 @@ def main(args: argparse.Namespace) -> None:
         for name, path in models.items():
             trainer = load_trainer(path)
             for case in CASES:
-                results.append(run_case(case, name, path, trainer, tmp, args.rounds))
+                results.append(run_case(case, name, path, trainer, tmp, args))
             if name == "default":
-                sparse_s = run_sparse(path, trainer, args.rounds, args.density)
+                sparse_s = run_sparse(path, trainer, args)
             del trainer
             gc.collect()
     print_table(results, memcpy)
@@ -338,6 +371,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--density", type=float, default=0.01, help="sparse: changed fraction")
     parser.add_argument("--layers", type=int, default=224, help="many-small model's layers")
+    parser.add_argument(
+        "--engine",
+        choices=["in-process", "server"],
+        default="in-process",
+        help="receiving engine: an LLM in this process, or `hotswap serve` over HTTP",
+    )
     return parser.parse_args()
 
 

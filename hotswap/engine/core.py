@@ -242,7 +242,8 @@ class EngineCore:
             raise
         if staged is None:
             return []
-        if self.weight_sync.covers_model(staged, checkpoint):
+        missing = self.sleep_state.weights_missing
+        if missing and self.weight_sync.covers_model(staged, checkpoint):
             self.sleep_state.weights_missing = False
         return self.update_weight_version(label or self.weight_label)
 

@@ -1,10 +1,11 @@
 """The engine side of the four-phase weight update (DESIGN §4).
 
 A round stages every received tensor, validated before it is received into the stage
-(names, shapes, dtypes); the model is written only at `finish`, all at once, with a backup
-of the touched parameters put back if writing fails. So a round that fails anywhere (bad
-chunk, dead trainer, timeout) leaves the engine serving its previous weights, and no step
-ever sees a half-updated model (the engine runs no step while a round is open).
+(names, shapes, dtypes); the model is written only at `finish`, all at once. So a round
+that fails before `finish` (bad chunk, dead trainer, timeout) leaves the engine serving its
+previous weights, and no step ever sees a half-updated model (the engine runs no step while
+a round is open). No backup is kept: a write failing midway at `finish` (not expected after
+validation) marks the weights incomplete, and no step runs until a complete round lands.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +55,7 @@ class WeightSync:
         # Last round's receive buffers, reused by name: one extra copy of what was sent,
         # held between rounds, so a round copies into warm memory (no page faults).
         self._pool: dict[str, torch.Tensor] = {}
+        self._destinations: dict[tuple[bool, str], Any] = {}
 
     @property
     def round_open(self) -> bool:
@@ -195,22 +198,39 @@ class WeightSync:
     def _check(self, meta: ParamMeta) -> str | None:
         assert self.round is not None
         try:
-            target = self._target(meta.name, self.round.is_checkpoint_format)
+            expected = self._destination(meta.name, self.round.is_checkpoint_format)
         except ValueError as e:
             return str(e)
-        if target is None:
+        if expected is None:
             return None  # a name the model ignores (e.g. rotary inv_freq)
-        dest = target[1]
-        if tuple(dest.shape) != meta.shape:
+        shape, floating, dtype = expected
+        if shape != meta.shape:
             return (
                 f"weights: shape mismatch for {meta.name!r}: sent {list(meta.shape)}, "
-                f"model expects {list(dest.shape)}"
+                f"model expects {list(shape)}"
             )
-        if dest.is_floating_point() != meta.dtype.is_floating_point:
-            return (
-                f"weights: dtype mismatch for {meta.name!r}: sent {meta.dtype}, model {dest.dtype}"
-            )
+        if floating != meta.dtype.is_floating_point:
+            return f"weights: dtype mismatch for {meta.name!r}: sent {meta.dtype}, model {dtype}"
         return None
+
+    def _destination(
+        self, name: str, checkpoint: bool
+    ) -> tuple[tuple[int, ...], bool, torch.dtype] | None:
+        """(shape, is floating, dtype) of where `name` is written; None if ignored.
+        Cached: a model's parameter names, shapes and dtypes never change."""
+        key = (checkpoint, name)
+        if key in self._destinations:
+            return self._destinations[key]
+        target = self._target(name, checkpoint)
+        if target is None:
+            found = None
+        else:
+            dest = target[1]
+            found = (tuple(dest.shape), dest.is_floating_point(), dest.dtype)
+            if not dest.numel():
+                return found  # maybe a sleeping placeholder (rounds refuse then): not cached
+        self._destinations[key] = found
+        return found
 
     def _missing(self, staged: set[str], checkpoint: bool) -> list[str]:
         if not checkpoint:

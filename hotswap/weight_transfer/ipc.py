@@ -1,35 +1,41 @@
 """`ipc`: a trainer on the same machine hands over weights through named shared memory.
-The update info is JSON (names, dtype_names, shapes and the segment's name): no pickle
-crosses the control plane. Packed mode bounds memory by splitting a round into segments of
-at most `packed_buffer_size_bytes` (a larger tensor gets a segment of its own).
 
-CUDA IPC (GPU trainer and engine sharing a device) is not implemented yet: this backend
-moves host memory and refuses CUDA tensors with a clear error."""
+The update info is JSON: the usual names / dtype_names / shapes, plus `segments` (segment
+names) and `placements` (`[segment index, byte offset]` per tensor). No pickle crosses the
+control plane. The engine maps the segments (mappings are kept across rounds) and stages
+views of them: nothing is copied until `finish` writes the model.
+
+Trainer side, a tensor reaches a segment one of two ways:
+- it already lives in one (`share_module_memory(model)`, or `IPCTrainerInitInfo(
+  share_source=True)` which does that to the source's module once): it is sent in place, so
+  a round copies each weight exactly once, from the trainer's parameters into the engine's;
+- otherwise it is packed into staging segments the trainer keeps across rounds (packed mode
+  bounds each to `packed_buffer_size_bytes`; a larger tensor gets one of its own).
+
+Same-machine trust: the engine reads the trainer's memory between `update` and `finish`, so
+the trainer must not change the sent tensors until `send_weights()` returns (it blocks until
+then). CUDA IPC (GPU trainer and engine sharing a device) is not implemented yet: this
+backend moves host memory and refuses CUDA tensors with a clear error."""
 
 from __future__ import annotations
 
-import contextlib
-import re
-import secrets
-import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
-from hotswap.weight_transfer.base import ParamMeta, metas_to_update_info
+from hotswap.weight_transfer.base import ModuleSource, ParamMeta, metas_to_update_info
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
-from hotswap.weight_transfer.packing import arena_meta, layout, pack, views
+from hotswap.weight_transfer.packing import layout, pack
+from hotswap.weight_transfer.shm import Segment, check_available, check_name
 from hotswap.weight_transfer.trainer import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightTransferTrainerFactory,
 )
-
-_SEGMENT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
 @register_backend("ipc")
@@ -37,48 +43,120 @@ class IPCEngine(WeightTransferEngine):
     backend: ClassVar[str] = "ipc"
     needs_init: ClassVar[bool] = False
 
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._mapped: dict[str, Segment] = {}  # kept across rounds: remapping costs faults
+        self._used: set[str] = set()
+
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         if self.device.type != "cpu":
             raise ValueError("ipc: CUDA IPC is not implemented yet; use the nccl backend")
+        check_available()
 
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        name = update_info.get("shm_name")
-        if not isinstance(name, str) or not _SEGMENT_NAME.match(name):
-            raise ValueError(f"update_info.shm_name: not a shared-memory segment name: {name!r}")
-        total = layout(metas)[1]
-        try:
-            segment = _attach(name)
-        except FileNotFoundError:
-            raise ValueError(f"update_info.shm_name: no shared-memory segment {name!r}") from None
-        try:
-            if segment.size < total:
-                raise ValueError(
-                    f"update_info.shm_name: segment holds {segment.size} bytes, the listed "
-                    f"tensors need {total}"
-                )
-            arena = self.allocate(arena_meta(metas))
-            if total:
-                shared = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total)
-                arena.copy_(shared)  # one copy for the whole chunk
-                del shared  # release the exported buffer before closing the segment
-        finally:
-            segment.close()
-        yield from views(metas, arena)
+        """Views of the trainer's segments, valid for the rest of the round."""
+        names = update_info.get("segments")
+        if not isinstance(names, list):
+            raise ValueError("update_info.segments: required, a list of segment names")
+        segments = [self._segment(name, f"update_info.segments[{i}]") for i, name in
+                    enumerate(names)]  # fmt: skip
+        placements = update_info.get("placements")
+        if not isinstance(placements, list) or len(placements) != len(metas):
+            raise ValueError(
+                f"update_info.placements: required, one [segment, byte offset] per name "
+                f"({len(metas)})"
+            )
+        views = [  # every placement checked before anything is staged
+            (meta.name, _view(segments, meta, placement, i))
+            for i, (meta, placement) in enumerate(zip(metas, placements))
+        ]
+        return iter(views)
+
+    def _segment(self, name: object, field: str) -> Segment:
+        name = check_name(name, field)
+        segment = self._mapped.get(name)
+        if segment is None or not segment.is_current():
+            try:
+                segment = Segment.attach(name)
+            except ValueError as e:
+                raise ValueError(f"{field}: {e}") from None
+            self._mapped[name] = segment
+        self._used.add(name)
+        return segment
+
+    def finish_weight_update(self) -> None:
+        # Unmap segments this round did not use (staged views keep their own mapping).
+        self._mapped = {n: s for n, s in self._mapped.items() if n in self._used}
+        self._used = set()
+
+    def shutdown(self) -> None:
+        self._mapped, self._used = {}, set()
 
 
-def _attach(name: str) -> shared_memory.SharedMemory:
-    """Open the trainer's segment without registering it with this process's resource
-    tracker: the segment is the trainer's to unlink, not ours at exit."""
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)
-    register = resource_tracker.register
-    resource_tracker.register = lambda *args, **kwargs: None
-    try:
-        return shared_memory.SharedMemory(name=name)
-    finally:
-        resource_tracker.register = register
+def _view(segments: list[Segment], meta: ParamMeta, placement: object, i: int) -> torch.Tensor:
+    field = f"update_info.placements[{i}]"
+    if not (
+        isinstance(placement, list)
+        and len(placement) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in placement)
+    ):
+        raise ValueError(f"{field}: must be [segment index, byte offset], got {placement!r}")
+    index, offset = placement
+    if index >= len(segments):
+        raise ValueError(f"{field}: segment index {index}, but {len(segments)} segment(s) listed")
+    segment = segments[index]
+    if offset % meta.dtype.itemsize:
+        raise ValueError(f"{field}: offset {offset} is not aligned to {meta.dtype}")
+    if offset + meta.nbytes > segment.size:
+        raise ValueError(
+            f"{field}: {meta.name!r} needs bytes {offset}..{offset + meta.nbytes}, segment "
+            f"{segment.name!r} holds {segment.size}"
+        )
+    return segment.data[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+
+
+# -- trainer side ---------------------------------------------------------------------------
+
+# Segments holding shared parameters, by the address of their mapping. Weak: a segment
+# lives (and keeps its name) as long as the module it was made for.
+_SHARED: weakref.WeakValueDictionary[int, Segment] = weakref.WeakValueDictionary()
+
+
+def share_module_memory(module: nn.Module) -> Segment | None:
+    """Move the module's CPU parameters into one shared-memory segment, in place (the
+    Parameter objects stay, so optimizers keep working); the `ipc` backend then sends them
+    without copying. Returns the segment (None if there is nothing to move); it stays alive
+    with the module. Calling it again moves only parameters that left shared memory."""
+    params = [p for p in dict.fromkeys(module.parameters()) if _locate(p) is None]
+    if any(p.device.type != "cpu" for p in params):
+        raise ValueError("share_module_memory: CPU parameters only (CUDA IPC is not implemented)")
+    params = [p for p in params if p.numel()]
+    if not params:
+        return None
+    metas = [ParamMeta("", p.dtype, tuple(p.shape)) for p in params]
+    offsets, total = layout(metas)
+    segment = Segment.create(total)
+    with torch.no_grad():
+        for param, meta, offset in zip(params, metas, offsets):
+            view = segment.data[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+            view.copy_(param)
+            param.data = view
+    _SHARED[segment.data.data_ptr()] = segment
+    kept = module.__dict__.setdefault("_hotswap_shared_segments", [])
+    kept.append(segment)
+    return segment
+
+
+def _locate(tensor: torch.Tensor) -> tuple[Segment, int] | None:
+    """(segment, byte offset) if the tensor lies contiguously in a shared segment."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    segment = _SHARED.get(tensor.untyped_storage().data_ptr())
+    if segment is None:
+        return None
+    return segment, tensor.data_ptr() - segment.data.data_ptr()
 
 
 @dataclass(kw_only=True)
@@ -86,6 +164,8 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = "ipc"
     packed: bool = False
     packed_buffer_size_bytes: int = 1 << 30
+    # Move the ModuleSource's parameters into shared memory once (see share_module_memory).
+    share_source: bool = False
 
 
 @WeightTransferTrainerFactory.register("ipc")
@@ -93,21 +173,54 @@ class IPCTrainer(TrainerWeightTransferEngine):
     info: IPCTrainerInitInfo
 
     def connect(self) -> None:
+        check_available()
+        if self.info.share_source:
+            if not isinstance(self.source, ModuleSource):
+                raise ValueError("IPCTrainerInitInfo.share_source: needs a ModuleSource")
+            share_module_memory(self.source.module)
         self.client.init_weight_transfer_engine({})
-        # Segments live across rounds (writing into fresh shared memory costs page faults:
-        # ~3x slower than a warm copy); unlinked by shutdown() or at interpreter exit.
-        self.segments: list[shared_memory.SharedMemory] = []
-        self._finalizer = weakref.finalize(self, _unlink_all, self.segments)
+        # Staging segments live across rounds (writing into fresh shared memory costs page
+        # faults: ~3x slower than a warm copy); unlinked by shutdown() or at exit.
+        self.staging: list[Segment] = []
 
     def send_round(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:
-        for index, chunk in enumerate(self._chunks(metas)):
-            self._send_segment(index, [metas[i] for i in chunk], [tensors[i] for i in chunk])
+        if any(t.is_cuda for t in tensors):
+            raise ValueError("ipc: CUDA tensors need CUDA IPC (not implemented)")
+        located = [_locate(t) for t in tensors]
+        in_place = [(i, *found) for i, found in enumerate(located) if found is not None]
+        to_stage = [i for i, found in enumerate(located) if found is None]
+        calls = [in_place] if in_place else []
+        for number, chunk in enumerate(self._chunks([metas[i] for i in to_stage])):
+            indices = [to_stage[c] for c in chunk]
+            chunk_metas = [metas[i] for i in indices]
+            segment = self._stage(number, chunk_metas, [tensors[i] for i in indices])
+            offsets = layout(chunk_metas)[0]
+            calls.append([(i, segment, offset) for i, offset in zip(indices, offsets)])
+        for placed in calls:
+            self._update(metas, placed)
+
+    def _update(self, metas: list[ParamMeta], placed: list[tuple[int, Segment, int]]) -> None:
+        segment_index: dict[str, int] = {}
+        placements = [
+            [segment_index.setdefault(segment.name, len(segment_index)), offset]
+            for _, segment, offset in placed
+        ]
+        self.client.update_weights(
+            {
+                **metas_to_update_info([metas[i] for i, _, _ in placed]),
+                "segments": list(segment_index),
+                "placements": placements,
+            }
+        )
 
     def shutdown(self) -> None:
-        if hasattr(self, "_finalizer"):
-            self._finalizer()
+        for segment in getattr(self, "staging", []):
+            segment.unlink()
+        self.staging = []
 
     def _chunks(self, metas: list[ParamMeta]) -> list[list[int]]:
+        if not metas:
+            return []
         if not self.info.packed:
             return [list(range(len(metas)))]
         chunks: list[list[int]] = [[]]
@@ -120,37 +233,16 @@ class IPCTrainer(TrainerWeightTransferEngine):
             used += meta.nbytes
         return chunks
 
-    def _segment(self, index: int, size: int) -> shared_memory.SharedMemory:
-        if index < len(self.segments) and self.segments[index].size >= size:
-            return self.segments[index]
-        segment = shared_memory.SharedMemory(
-            name=f"hotswap_{secrets.token_hex(8)}", create=True, size=max(size, 1)
-        )
-        if index < len(self.segments):
-            _unlink_all([self.segments[index]])
-            self.segments[index] = segment
-        else:
-            self.segments.append(segment)
-        return segment
-
-    def _send_segment(
-        self, index: int, metas: list[ParamMeta], tensors: list[torch.Tensor]
-    ) -> None:
-        if any(t.is_cuda for t in tensors):
-            raise ValueError("ipc: CUDA tensors need CUDA IPC (not implemented)")
+    def _stage(self, index: int, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> Segment:
+        """Pack `tensors` into staging segment `index` (grown when too small)."""
         total = layout(metas)[1]
-        segment = self._segment(index, total)
+        if index == len(self.staging):
+            self.staging.append(Segment.create(total))
+        elif self.staging[index].size < total:
+            self.staging[index].unlink()
+            self.staging[index] = Segment.create(total)
+        segment = self.staging[index]
         if total:
-            data = torch.frombuffer(segment.buf, dtype=torch.uint8, count=total)
-            for _ in pack(tensors, [data], lambda i: None):  # one torch.cat into the segment
+            for _ in pack(tensors, [segment.data[:total]], lambda i: None):  # one torch.cat
                 pass
-            del data
-        self.client.update_weights({**metas_to_update_info(metas), "shm_name": segment.name})
-
-
-def _unlink_all(segments: list[shared_memory.SharedMemory]) -> None:
-    for segment in segments:
-        segment.close()
-        with contextlib.suppress(FileNotFoundError):
-            segment.unlink()
-    segments.clear()
+        return segment

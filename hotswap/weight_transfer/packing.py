@@ -61,10 +61,13 @@ def pack(
     index, used, pieces = 0, 0, []
     before_reuse(0)
     for piece in _stream(tensors, device):
-        while piece.numel():
-            take = min(size - used, piece.numel())
-            pieces.append(piece[:take])
-            piece, used = piece[take:], used + take
+        left = piece.numel()
+        while left:
+            take = min(size - used, left)
+            pieces.append(piece if take == left else piece[:take])  # most fit whole
+            if take < left:
+                piece = piece[take:]
+            used, left = used + take, left - take
             if used == size:
                 torch.cat(pieces, out=buffers[index])
                 yield index, size

@@ -74,7 +74,8 @@ def test_refused_update_changes_nothing(backend, items, message, v1_dir, v2_trai
 
 def test_phase_order_is_enforced(v1_dir) -> None:
     llm = make_llm(v1_dir)
-    info = {"names": [NORM], "dtype_names": ["float32"], "shapes": [[64]], "shm_name": "x"}
+    info = {"names": [NORM], "dtype_names": ["float32"], "shapes": [[64]]}
+    info |= {"segments": ["x"], "placements": [[0, 0]]}
     with pytest.raises(EngineStateError, match="no round is open"):
         llm.update_weights(info)
     with pytest.raises(EngineStateError, match="no round is open"):
@@ -87,8 +88,8 @@ def test_phase_order_is_enforced(v1_dir) -> None:
     bad_lengths = {"names": [NORM, "x"], "dtype_names": ["float32"], "shapes": [[64]]}
     with pytest.raises(ValueError, match="differ in length"):
         llm.update_weights(bad_lengths)
-    with pytest.raises(ValueError, match="shm_name"):
-        llm.update_weights(info)  # no such segment
+    with pytest.raises(ValueError, match=r"segments\[0\]: no shared-memory segment 'x'"):
+        llm.update_weights(info)
     with pytest.raises(ValueError, match="is_checkpoint_format"):
         make_llm(v1_dir).start_weight_update("yes")
     llm.finish_weight_update(abort=True)

@@ -1,0 +1,126 @@
+"""The `ipc` backend's zero-copy paths: a trainer whose parameters live in shared memory
+sends them in place (no staging), keeps training in place and sends again; tensors that
+left shared memory are staged; bad placements are refused naming the field, model unchanged;
+the engine drops mappings of segments a round no longer uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hotswap import LLM
+from hotswap.weight_transfer import (
+    InProcessWeightSyncClient,
+    IPCTrainerInitInfo,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+from hotswap.weight_transfer.ipc import _locate, share_module_memory
+from hotswap.weight_transfer.shm import Segment
+from tests.weight_transfer.conftest import trainer_model
+
+NORM = "model.norm.weight"
+
+
+class RecordingClient(InProcessWeightSyncClient):
+    def __init__(self, llm: LLM) -> None:
+        super().__init__(llm)
+        self.updates: list[dict[str, Any]] = []
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.updates.append(update_info)
+        super().update_weights(update_info)
+
+
+def make_llm(path: Path) -> LLM:
+    config = {"backend": "ipc", "require_complete": True}
+    return LLM(str(path), dtype="float32", progress=False, weight_transfer_config=config)
+
+
+def digest(path: Path) -> str:
+    return LLM(str(path), dtype="float32", progress=False).get_weight_info()["digest"]
+
+
+def engine_params(llm: LLM) -> dict[str, torch.Tensor]:
+    return llm.engine.runner.model.parameter_index()
+
+
+def test_shared_source_is_sent_in_place_and_tracks_training(v1_dir, v2_dir) -> None:
+    llm, trainer = make_llm(v1_dir), trainer_model(v2_dir)
+    client = RecordingClient(llm)
+    info = IPCTrainerInitInfo(share_source=True)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client, ModuleSource(trainer))
+    assert all(_locate(p) is not None for p in trainer.parameters())
+    engine.send_weights("v2")
+    assert llm.get_weight_info()["digest"] == digest(v2_dir)
+    assert len(client.updates) == 1 and len(client.updates[0]["segments"]) == 1
+    assert engine.staging == []  # nothing was packed
+    with torch.no_grad():  # an optimizer step: in place, so the parameters stay shared
+        for param in trainer.parameters():
+            param.mul_(1.5)
+    engine.send_weights("v2-trained")
+    assert torch.equal(engine_params(llm)[NORM], trainer.model.norm.weight.detach())
+    assert all(_locate(p) is not None for p in trainer.parameters())
+
+
+def test_parameters_that_left_shared_memory_are_staged(v1_dir, v2_dir) -> None:
+    llm, trainer = make_llm(v1_dir), trainer_model(v2_dir)
+    assert share_module_memory(trainer) is not None
+    trainer.model.norm.weight.data = trainer.model.norm.weight.detach().clone() + 1
+    client = RecordingClient(llm)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(), client, ModuleSource(trainer)
+    )
+    engine.send_weights("mixed")
+    staged = [u for u in client.updates if NORM in u["names"]]
+    assert len(client.updates) == 2 and staged[0]["names"] == [NORM]
+    assert torch.equal(engine_params(llm)[NORM], trainer.model.norm.weight.detach())
+    # Sharing again moves only the parameter that left.
+    segment = share_module_memory(trainer)
+    assert segment is not None and segment.size == trainer.model.norm.weight.nbytes
+
+
+@pytest.mark.parametrize(
+    ("placement", "error"),
+    [
+        ([0, 2], r"placements\[0\]: offset 2 is not aligned"),
+        ([1, 0], r"placements\[0\]: segment index 1, but 1 segment"),
+        ([0, 256], r"placements\[0\]: 'model.norm.weight' needs bytes 256..512"),
+        (["0", 0], r"placements\[0\]: must be \[segment index, byte offset\]"),
+    ],
+)
+def test_bad_placements_are_refused(v1_dir, placement: list, error: str) -> None:
+    llm = make_llm(v1_dir)
+    before = llm.get_weight_info()
+    segment = Segment.create(300)
+    info = {"names": [NORM], "dtype_names": ["float32"], "shapes": [[64]]}
+    llm.start_weight_update()
+    with pytest.raises(ValueError, match=error):
+        llm.update_weights({**info, "segments": [segment.name], "placements": [placement]})
+    with pytest.raises(ValueError, match=r"placements: required, one \[segment, byte offset\]"):
+        llm.update_weights({**info, "segments": [segment.name], "placements": []})
+    with pytest.raises(ValueError, match=r"segments\[0\]: not a shared-memory segment name"):
+        llm.update_weights({**info, "segments": ["../etc/passwd"], "placements": [[0, 0]]})
+    llm.finish_weight_update(abort=True)
+    assert llm.get_weight_info() == before
+
+
+def _mappings(name: str) -> int:
+    return Path("/proc/self/maps").read_text().count(f"/dev/shm/{name}")
+
+
+def test_engine_drops_mappings_a_round_no_longer_uses(v1_dir, v2_dir) -> None:
+    llm, trainer = make_llm(v1_dir), trainer_model(v2_dir)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(), InProcessWeightSyncClient(llm), ModuleSource(trainer)
+    )
+    engine.send_weights("staged")
+    staging = engine.staging[0].name
+    assert _mappings(staging) == 2  # the trainer's and the engine's (kept for next round)
+    share_module_memory(trainer)
+    engine.send_weights("in place")  # the staging segment is not used this round
+    assert _mappings(staging) == 1  # only the trainer's own
+    assert llm.get_weight_info()["digest"] == digest(v2_dir)
