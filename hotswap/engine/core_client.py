@@ -26,9 +26,11 @@ import zmq  # noqa: E402  (grouped with the transport it serves)
 from hotswap.config import EngineArgs, EngineConfig
 from hotswap.engine.core import EngineCore
 from hotswap.engine.core_loop import EngineCoreLoop, InputKind
-from hotswap.engine.core_proc import SOCKET_DIR_PREFIX
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.wire import READY, decode_outputs, encode_input
+
+# The child removes its socket directory by this prefix if we die first (core_proc.py).
+SOCKET_DIR_PREFIX = "hotswap-core-"
 
 OutputHandler = Callable[[EngineCoreOutputs], None]
 

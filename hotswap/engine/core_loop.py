@@ -4,6 +4,11 @@ The same loop runs in a thread (in-process engine) or in a child process; only t
 and the emit function differ. Control calls carry a call id; a pause whose condition does
 not hold yet is kept pending and answered after the step that makes it hold, never by
 sleeping a fixed time.
+
+Calls that wait on a trainer (joining a transfer group, receiving a chunk of weights) run
+on a worker thread, so the loop keeps answering everything else (health checks, pause,
+stats, new requests) meanwhile. Calls that touch the weights or the transfer channel wait
+behind them, in order. No step runs while a chunk is received: the round is open.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import enum
 import logging
 import queue
+import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +45,20 @@ class InputKind(enum.IntEnum):
     ABORT = 1
     UTILITY = 2
     SHUTDOWN = 3
+    BACKGROUND_DONE = 4  # internal: a call run on the worker thread has finished
+
+
+# Run on the worker thread: they block on the trainer, not on the engine.
+BACKGROUND_CALLS = frozenset({"init_weight_transfer_engine", "update_weights"})
+# Wait (in arrival order) while a background call runs: they use the weights or the channel.
+WAIT_FOR_BACKGROUND = BACKGROUND_CALLS | {
+    "start_weight_update",
+    "finish_weight_update",
+    "load_weights_from_disk",
+    "sleep",
+    "wake_up",
+    "get_world_size",
+}
 
 
 @dataclass
@@ -64,6 +85,8 @@ class EngineCoreLoop:
         self.results: list[UtilityResult] = []
         self.running = True
         self.failed = False
+        self.background_busy = False
+        self.deferred: deque[UtilityCall] = deque()
 
     def run(self) -> None:
         try:
@@ -89,7 +112,8 @@ class EngineCoreLoop:
             try:
                 self._handle(*self.inbox.get(timeout=ROUND_POLL_S))
             except queue.Empty:
-                self.core.weight_sync.expire(self.core.round_timeout_s)
+                if not self.background_busy:
+                    self.core.weight_sync.expire(self.core.round_timeout_s)
                 return
         elif block:
             self._handle(*self.inbox.get())
@@ -109,6 +133,8 @@ class EngineCoreLoop:
             self._call(payload)
         elif kind == InputKind.SHUTDOWN:
             self.running = False
+        elif kind == InputKind.BACKGROUND_DONE:
+            self._background_done(*payload)
 
     def _add(self, request: EngineCoreRequest) -> None:
         try:
@@ -120,23 +146,34 @@ class EngineCoreLoop:
 
     # -- control calls ----------------------------------------------------------------------
     def _call(self, call: UtilityCall) -> None:
+        if call.method in WAIT_FOR_BACKGROUND and (self.background_busy or self.deferred):
+            self.deferred.append(call)
+        else:
+            self._dispatch(call)
+
+    def _dispatch(self, call: UtilityCall) -> None:
         handler = getattr(self, f"_call_{call.method}", None)
         if handler is None:
             self._answer(call.call_id, error=ValueError(f"method: unknown {call.method!r}"))
-            return
-        try:
-            result = handler(call, *call.args)
-        except (ValueError, TypeError, EngineStateError) as e:
-            self._answer(call.call_id, error=e)
-            return
-        except Exception as e:  # noqa: BLE001
-            # Control calls validate before they change anything (and roll back weight
-            # loads), so a failure is the caller's error, not the engine's death.
-            logger.exception("control call %s failed", call.method)
-            self._answer(call.call_id, error=e)
-            return
-        if result is not _PENDING:
-            self._answer(call.call_id, result)
+        elif call.method in BACKGROUND_CALLS:
+            self.background_busy = True
+            threading.Thread(
+                target=lambda: self.inbox.put(
+                    (InputKind.BACKGROUND_DONE, (call, *_invoke(handler, call)))
+                ),
+                name=f"hotswap-{call.method}",
+                daemon=True,
+            ).start()
+        else:
+            result, error = _invoke(handler, call)
+            if result is not _PENDING or error is not None:
+                self._answer(call.call_id, result, error)
+
+    def _background_done(self, call: UtilityCall, result: object, error: Exception | None) -> None:
+        self.background_busy = False
+        self._answer(call.call_id, result, error)
+        while self.deferred and not self.background_busy:
+            self._dispatch(self.deferred.popleft())
 
     def _call_pause(self, call: UtilityCall, mode: str, clear_cache: bool) -> object:
         if not isinstance(clear_cache, bool):
@@ -231,3 +268,16 @@ class EngineCoreLoop:
 
 
 _PENDING = object()
+
+
+def _invoke(handler: Callable[..., object], call: UtilityCall) -> tuple[object, Exception | None]:
+    """(result, None) or (None, the error to answer with)."""
+    try:
+        return handler(call, *call.args), None
+    except (ValueError, TypeError, EngineStateError) as e:
+        return None, e
+    except Exception as e:  # noqa: BLE001
+        # Control calls validate before they change anything, so a failure is the
+        # caller's error, not the engine's death.
+        logger.exception("control call %s failed", call.method)
+        return None, e

@@ -23,6 +23,7 @@ import zmq
 
 from hotswap.config import EngineArgs, EngineConfig
 from hotswap.engine.core import EngineCore
+from hotswap.engine.core_client import SOCKET_DIR_PREFIX
 from hotswap.engine.core_loop import EngineCoreLoop, InputKind
 from hotswap.engine.messages import EngineCoreOutputs
 from hotswap.engine.wire import READY, decode_input, encode_outputs
@@ -30,7 +31,6 @@ from hotswap.engine.wire import READY, decode_input, encode_outputs
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 1.0
-SOCKET_DIR_PREFIX = "hotswap-core-"  # as the front-end names it (core_client.py)
 
 
 def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
