@@ -102,9 +102,13 @@ class SparseEngine(BroadcastEngine):
         received = self.channel.receive(_wire_metas(metas, update_info["nnz"]), fresh)
         for i, meta in enumerate(metas):
             indices, values = received[2 * i][1], received[2 * i + 1][1]
-            if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= meta.numel):
-                raise ValueError(f"patch {meta.name!r}: an index is outside 0..{meta.numel - 1}")
-            yield meta.name, Delta(indices.to(torch.int64), values)
+            if indices.numel():
+                low, high = (int(v) for v in torch.aminmax(indices))
+                if low < 0 or high >= meta.numel:
+                    raise ValueError(
+                        f"patch {meta.name!r}: an index is outside 0..{meta.numel - 1}"
+                    )
+            yield meta.name, Delta(indices, values)  # int32 or int64: both index tensors
 
 
 @dataclass(kw_only=True)
