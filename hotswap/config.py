@@ -135,7 +135,7 @@ class EngineArgs:
             cache=self._cache_config(),
             scheduler=self._scheduler_config(model_cfg.max_model_len),
             batch_invariant=self.batch_invariant,
-            device=self.device,
+            device=check_device(self.device),
             tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
             enable_sleep_mode=self.enable_sleep_mode,
             weight_transfer=WeightTransferConfig.parse(self.weight_transfer_config),
@@ -214,6 +214,24 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def check_device(value: str) -> str:
+    """ "cpu", "cuda" or "cuda:N", and CUDA must be there to be asked for."""
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: {value!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {value!r}: only cpu and cuda are supported")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {value!r}: CUDA is not available on this machine")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device: {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+    return str(device)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

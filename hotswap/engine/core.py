@@ -179,6 +179,7 @@ class EngineCore:
                 self.runner.residency.discard()
             else:
                 self.runner.residency.offload()
+            self.runner.release_cached_memory()
         state = self.sleep_state
         state.level = max(state.level, level)
         state.asleep |= tags_for_level(level)

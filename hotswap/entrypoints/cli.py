@@ -27,6 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="auto = bfloat16 (fastest on AMX CPUs)",
     )
     group.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--block-size", type=int, default=16)

@@ -67,15 +67,17 @@ def build_metadata(
     dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Decode sequences listed in order of context length get contiguous rows per group,
-    which saves a gather and a scatter of their queries per layer."""
+    which saves a gather and a scatter of their queries per layer. Tensors are made on
+    the slot mapping's device."""
+    device = slot_mapping.device
     sequences, decode = [], []
     row = 0
     for num_queries, context_len, blocks in zip(query_lens, context_lens, block_tables):
-        table = torch.tensor(blocks, dtype=torch.long)
+        table = torch.tensor(blocks, dtype=torch.long, device=device)
         seq = SequenceSlice(row, num_queries, context_len, table)
         (decode if num_queries == 1 else sequences).append(seq)
         row += num_queries
-    groups = [_decode_group(g, block_size, dtype) for g in _group_by_length(decode)]
+    groups = [_decode_group(g, block_size, dtype, device) for g in _group_by_length(decode)]
     return AttentionMetadata(slot_mapping, sequences, decode, groups, block_size)
 
 
@@ -91,22 +93,28 @@ def _group_by_length(decode: list[SequenceSlice]) -> list[list[SequenceSlice]]:
     return groups
 
 
-def _decode_group(seqs: list[SequenceSlice], block_size: int, dtype: torch.dtype) -> DecodeGroup:
+def _decode_group(
+    seqs: list[SequenceSlice], block_size: int, dtype: torch.dtype, device: torch.device
+) -> DecodeGroup:
     max_blocks = max(len(s.block_table) for s in seqs)
-    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long, device=device)
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
-    lengths = torch.tensor([s.context_len for s in seqs])
-    positions = torch.arange(max_blocks * block_size)
+    lengths = torch.tensor([s.context_len for s in seqs], device=device)
+    positions = torch.arange(max_blocks * block_size, device=device)
     padding = (positions[None, :] >= lengths[:, None])[:, None, None, :]
     rows = [s.row_start for s in seqs]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeGroup(
-        rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows),
+        rows=slice(rows[0], rows[0] + len(rows))
+        if contiguous
+        else torch.tensor(rows, device=device),
         blocks=tables.flatten(),
         max_blocks=max_blocks,
         # Additive rather than boolean: SDPA converts a boolean mask on every call.
-        mask=torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, float("-inf")),
+        mask=torch.zeros(padding.shape, dtype=dtype, device=device).masked_fill_(
+            padding, float("-inf")
+        ),
     )
 
 
@@ -164,8 +172,8 @@ class TorchPagedAttention:
                 q, keys, values, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
-            query_pos = torch.arange(num_cached, seq.context_len)
-            mask = torch.arange(seq.context_len)[None, :] <= query_pos[:, None]
+            query_pos = torch.arange(num_cached, seq.context_len, device=q.device)
+            mask = torch.arange(seq.context_len, device=q.device)[None, :] <= query_pos[:, None]
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
             )
@@ -199,12 +207,14 @@ class BatchInvariantAttention:
         total = lead + seq.num_queries
         q = query.new_zeros(total + (-total) % QUERY_TILE, *query.shape[1:])
         q[lead:total] = query
-        positions = torch.arange(q.shape[0]) + (first_pos - lead)
+        positions = torch.arange(q.shape[0], device=q.device) + (first_pos - lead)
         positions = positions.clamp(max=seq.context_len - 1)  # padding rows: any valid row
-        tiles = [
-            _attend_tile(q[s : s + QUERY_TILE], positions[s : s + QUERY_TILE], keys, values, scale)
-            for s in range(0, q.shape[0], QUERY_TILE)
-        ]
+        tiles = []
+        for s in range(0, q.shape[0], QUERY_TILE):
+            last = min(first_pos - lead + s + QUERY_TILE, seq.context_len) - 1  # host int
+            tile = _attend_tile(q[s : s + QUERY_TILE], positions[s : s + QUERY_TILE], last,
+                                keys, values, scale)  # fmt: skip
+            tiles.append(tile)
         return torch.cat(tiles)[lead:total]
 
 
@@ -219,17 +229,18 @@ def _padded_heads(context: torch.Tensor, heads: int) -> torch.Tensor:
     return padded.repeat_interleave(heads // padded.shape[0], dim=0)
 
 
-def _attend_tile(q, positions, keys, values, scale) -> torch.Tensor:  # noqa: ANN001
+def _attend_tile(q, positions, last_pos: int, keys, values, scale) -> torch.Tensor:  # noqa: ANN001
+    """`last_pos` = positions.max(), known on the host (no device sync per tile)."""
     q = q.transpose(0, 1).float()  # [heads, TILE, dim]
-    num_chunks = int(positions.max()) // KEY_CHUNK + 1
-    row_max = torch.full((q.shape[0], QUERY_TILE, 1), float("-inf"))
-    row_sum = torch.zeros(q.shape[0], QUERY_TILE, 1)
-    acc = torch.zeros(q.shape[0], QUERY_TILE, q.shape[2])
+    num_chunks = last_pos // KEY_CHUNK + 1
+    row_max = q.new_full((q.shape[0], QUERY_TILE, 1), float("-inf"))
+    row_sum = q.new_zeros(q.shape[0], QUERY_TILE, 1)
+    acc = q.new_zeros(q.shape[0], QUERY_TILE, q.shape[2])
     for c in range(num_chunks):
         k = keys[:, c * KEY_CHUNK : (c + 1) * KEY_CHUNK].float()
         v = values[:, c * KEY_CHUNK : (c + 1) * KEY_CHUNK].float()
         scores = torch.matmul(q, k.transpose(1, 2)) * scale
-        key_pos = torch.arange(c * KEY_CHUNK, (c + 1) * KEY_CHUNK)
+        key_pos = torch.arange(c * KEY_CHUNK, (c + 1) * KEY_CHUNK, device=q.device)
         scores = scores.masked_fill(
             key_pos[None, None, :] > positions[None, :, None], float("-inf")
         )

@@ -17,10 +17,17 @@ from hotswap.model.models.registry import get_model_class
 
 
 def build_model(
-    config: ModelConfig, backend: AttentionBackend, batch_invariant: bool, progress: bool = True
+    config: ModelConfig,
+    backend: AttentionBackend,
+    batch_invariant: bool,
+    progress: bool = True,
+    device: torch.device | str = "cpu",
 ) -> nn.Module:
+    """The model with its parameters and buffers allocated on `device`; checkpoint
+    tensors are read on the host and copied in."""
     model_cls = get_model_class(config.architecture)
-    model = model_cls(config.hf_config, config.dtype, backend, batch_invariant)
+    with torch.device(device):
+        model = model_cls(config.hf_config, config.dtype, backend, batch_invariant)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
@@ -68,7 +75,8 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of sane scale (unit norms, zero biases) for load tests and demos."""
+    """Random weights of sane scale (unit norms, zero biases) for load tests and demos;
+    drawn on the host, so every device gets the same weights for a seed."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -41,7 +41,10 @@ class ModelRunner:
         self.backend: AttentionBackend = (
             BatchInvariantAttention() if config.batch_invariant else TorchPagedAttention()
         )
-        self.model = build_model(config.model, self.backend, config.batch_invariant, progress)
+        self.device = torch.device(config.device)
+        self.model = build_model(
+            config.model, self.backend, config.batch_invariant, progress, self.device
+        )
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
@@ -70,16 +73,25 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         dtype = self.config.model.dtype
         return [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
             for _ in range(spec.num_layers)
         ]
 
     def free_kv_cache(self) -> None:
         """Release the KV memory (sleep); the scheduler must hold no block by now."""
         spec = self.model.spec
-        empty = torch.empty(0, dtype=self.config.model.dtype)
+        empty = torch.empty(0, dtype=self.config.model.dtype, device=self.device)
         self.kv_caches = [(empty, empty)] * spec.num_layers
         self.model.bind_kv_cache(self.kv_caches)
+
+    def release_cached_memory(self) -> None:
+        """Hand memory freed by sleep back to the driver (PyTorch's CUDA allocator keeps
+        freed blocks for reuse otherwise); nothing to do on the host."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def restore_kv_cache(self) -> None:
         if self.kv_caches and self.kv_caches[0][0].numel() == 0:
@@ -108,7 +120,7 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput()
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
-        result = self.sampler(logits, SamplingBatch.from_requests(sampling))
+        result = self.sampler(logits, SamplingBatch.from_requests(sampling, self.device))
         out = RunnerOutput()
         for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
             out.sampled[request.request_id] = token
@@ -134,12 +146,14 @@ class ModelRunner:
             query_lens.append(item.num_tokens)
             context_lens.append(end)
             tables.append(blocks[: -(-end // size)])
-        slot_mapping = torch.tensor(slots, dtype=torch.long)
+
+        def ids(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        dtype = self.config.model.dtype
         return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long),
-            positions=torch.tensor(positions, dtype=torch.long),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
-            meta=build_metadata(
-                query_lens, context_lens, tables, slot_mapping, size, self.config.model.dtype
-            ),
+            input_ids=ids(input_ids),
+            positions=ids(positions),
+            logits_rows=ids(logits_rows),
+            meta=build_metadata(query_lens, context_lens, tables, ids(slots), size, dtype),
         )

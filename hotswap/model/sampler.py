@@ -39,15 +39,18 @@ class SamplingBatch:
     suppressed: list[tuple[int, list[int]]]  # (row, token ids) banned by min_tokens
 
     @classmethod
-    def from_requests(cls, requests: list[Request]) -> SamplingBatch:
+    def from_requests(
+        cls, requests: list[Request], device: torch.device | str = "cpu"
+    ) -> SamplingBatch:
+        """Per-row settings as tensors on the logits' device."""
         params = [r.sampling_params for r in requests]
         return cls(
             requests=requests,
-            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool),
-            temperature=torch.tensor([[max(p.temperature, 1e-5)] for p in params]),
+            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
+            temperature=torch.tensor([[max(p.temperature, 1e-5)] for p in params], device=device),
             top_k=[p.top_k for p in params],
-            top_p=torch.tensor([p.top_p for p in params]),
-            min_p=torch.tensor([p.min_p for p in params]),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
             suppressed=[(row, ids) for row, r in enumerate(requests) if (ids := _banned_tokens(r))],
         )
 
@@ -84,9 +87,11 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         probs = _apply_min_p(probs, batch.min_p[rows])
         noise = self._exponential_noise(probs.shape, [batch.requests[r].generator for r in rows])
-        return (probs / noise).max(dim=-1).indices
+        return (probs / noise.to(probs.device)).max(dim=-1).indices
 
     def _exponential_noise(self, shape: torch.Size, generators: list) -> torch.Tensor:  # noqa: ANN001
+        """Drawn on the host (where the per-request generators live), so a seed samples
+        the same tokens on every device."""
         noise = torch.empty(shape).exponential_(generator=self.generator)
         for row, generator in enumerate(generators):
             if generator is not None:
@@ -124,8 +129,8 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
         return logits
     k_max = max(ks)
     values = logits.topk(k_max, dim=-1).values
-    kth = values.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks]))
-    active = torch.tensor([[k > 0] for k in ks])
+    kth = values.gather(1, torch.tensor([[max(k, 1) - 1] for k in ks], device=logits.device))
+    active = torch.tensor([[k > 0] for k in ks], device=logits.device)
     return logits.masked_fill(active & (logits < kth), float("-inf"))
 
 

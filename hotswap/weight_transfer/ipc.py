@@ -1,9 +1,11 @@
 """`ipc`: a trainer on the same machine hands over weights through named shared memory.
 
-The update info is JSON: the usual names / dtype_names / shapes, plus `segments` (segment
-names) and `placements` (`[segment index, byte offset]` per tensor). No pickle crosses the
-control plane. The engine maps the segments (mappings are kept across rounds) and stages
-views of them: nothing is copied until `finish` writes the model.
+The update info is JSON: the usual names / dtype_names / shapes, plus either `segments`
+(segment names) and `placements` (`[segment index, byte offset]` per tensor) for host
+memory, or `cuda_ipc` (one CUDA IPC handle per tensor, see cuda_ipc.py) for GPU memory. No
+pickle crosses the control plane. The engine maps the segments (mappings are kept across
+rounds) or opens the handles and stages views: nothing is copied until `finish` writes
+the model.
 
 Trainer side, a tensor reaches a segment one of two ways:
 - it already lives in one (`share_module_memory(model)`, or `IPCTrainerInitInfo(
@@ -12,10 +14,12 @@ Trainer side, a tensor reaches a segment one of two ways:
 - otherwise it is packed into staging segments the trainer keeps across rounds (packed mode
   bounds each to `packed_buffer_size_bytes`; a larger tensor gets one of its own).
 
+A trainer's CUDA tensors always travel as CUDA IPC handles to the tensors themselves (no
+copy on the trainer's side), whatever device the engine runs on.
+
 Same-machine trust: the engine reads the trainer's memory between `update` and `finish`, so
 the trainer must not change the sent tensors until `send_weights()` returns (it blocks until
-then). CUDA IPC (GPU trainer and engine sharing a device) is not implemented yet: this
-backend moves host memory and refuses CUDA tensors with a clear error."""
+then)."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from hotswap.weight_transfer.base import ModuleSource, ParamMeta, metas_to_update_info
+from hotswap.weight_transfer.cuda_ipc import export_handle, open_handle
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
 from hotswap.weight_transfer.packing import layout, pack
 from hotswap.weight_transfer.shm import Segment, check_available, check_name
@@ -49,14 +54,14 @@ class IPCEngine(WeightTransferEngine):
         self._used: set[str] = set()
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        if self.device.type != "cpu":
-            raise ValueError("ipc: CUDA IPC is not implemented yet; use the nccl backend")
         check_available()
 
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Views of the trainer's segments, valid for the rest of the round."""
+        """Views of the trainer's memory, valid for the rest of the round."""
+        if "cuda_ipc" in update_info:
+            return iter(_open_cuda_handles(update_info["cuda_ipc"], metas))
         names = update_info.get("segments")
         if not isinstance(names, list):
             raise ValueError("update_info.segments: required, a list of segment names")
@@ -95,6 +100,15 @@ class IPCEngine(WeightTransferEngine):
         self._mapped, self._used = {}, set()
 
 
+def _open_cuda_handles(entries: object, metas: list[ParamMeta]) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(entries, list) or len(entries) != len(metas):
+        raise ValueError(f"update_info.cuda_ipc: required, one handle per name ({len(metas)})")
+    return [  # every handle checked and opened before anything is staged
+        (meta.name, open_handle(meta, entry, f"update_info.cuda_ipc[{i}]"))
+        for i, (meta, entry) in enumerate(zip(metas, entries))
+    ]
+
+
 def _view(segments: list[Segment], meta: ParamMeta, placement: object, i: int) -> torch.Tensor:
     field = f"update_info.placements[{i}]"
     if not (
@@ -131,7 +145,9 @@ def share_module_memory(module: nn.Module) -> Segment | None:
     with the module. Calling it again moves only parameters that left shared memory."""
     params = [p for p in dict.fromkeys(module.parameters()) if _locate(p) is None]
     if any(p.device.type != "cpu" for p in params):
-        raise ValueError("share_module_memory: CPU parameters only (CUDA IPC is not implemented)")
+        raise ValueError(
+            "share_module_memory: CPU parameters only (CUDA tensors are sent in place anyway)"
+        )
     params = [p for p in params if p.numel()]
     if not params:
         return None
@@ -184,11 +200,19 @@ class IPCTrainer(TrainerWeightTransferEngine):
         self.staging: list[Segment] = []
 
     def send_round(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:
-        if any(t.is_cuda for t in tensors):
-            raise ValueError("ipc: CUDA tensors need CUDA IPC (not implemented)")
-        located = [_locate(t) for t in tensors]
+        on_gpu = [i for i, t in enumerate(tensors) if t.is_cuda]
+        if on_gpu:
+            self.client.update_weights(
+                {
+                    **metas_to_update_info([metas[i] for i in on_gpu]),
+                    "cuda_ipc": [export_handle(tensors[i]) for i in on_gpu],
+                }
+            )
+        located = [None if t.is_cuda else _locate(t) for t in tensors]
         in_place = [(i, *found) for i, found in enumerate(located) if found is not None]
-        to_stage = [i for i, found in enumerate(located) if found is None]
+        to_stage = [
+            i for i, found in enumerate(located) if found is None and not tensors[i].is_cuda
+        ]
         calls = [in_place] if in_place else []
         for number, chunk in enumerate(self._chunks([metas[i] for i in to_stage])):
             indices = [to_stage[c] for c in chunk]

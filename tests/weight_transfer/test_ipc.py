@@ -124,3 +124,37 @@ def test_engine_drops_mappings_a_round_no_longer_uses(v1_dir, v2_dir) -> None:
     engine.send_weights("in place")  # the staging segment is not used this round
     assert _mappings(staging) == 1  # only the trainer's own
     assert llm.get_weight_info()["digest"] == digest(v2_dir)
+
+
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({"handle": "not base64!"}, r"cuda_ipc\[0\].handle: not valid base64"),
+        ({"storage_size": -1}, r"cuda_ipc\[0\].storage_size: must be a non-negative integer"),
+        ({"stride": [1, 1]}, r"cuda_ipc\[0\].stride: one integer per dimension of \[64\]"),
+        ({"device_uuid": "GPU-x"}, r"cuda_ipc\[0\].device_uuid: "),
+    ],
+)
+def test_cuda_ipc_handles_are_checked_before_opening(v1_dir, change: dict, error: str) -> None:
+    llm = make_llm(v1_dir)
+    before = llm.get_weight_info()
+    handle = {
+        "device_uuid": "GPU-x",
+        "handle": "AAAA",
+        "storage_size": 256,
+        "storage_offset": 0,
+        "ref_counter_handle": None,
+        "ref_counter_offset": 0,
+        "event_handle": None,
+        "event_sync_required": False,
+        "tensor_offset": 0,
+        "stride": [1],
+    }
+    info = {"names": [NORM], "dtype_names": ["float32"], "shapes": [[64]]}
+    llm.start_weight_update()
+    with pytest.raises(ValueError, match=error):
+        llm.update_weights({**info, "cuda_ipc": [{**handle, **change}]})
+    with pytest.raises(ValueError, match=r"cuda_ipc: required, one handle per name \(1\)"):
+        llm.update_weights({**info, "cuda_ipc": []})
+    llm.finish_weight_update(abort=True)
+    assert llm.get_weight_info() == before

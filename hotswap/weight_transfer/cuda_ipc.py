@@ -1,0 +1,103 @@
+"""CUDA IPC handles as JSON: a trainer on the same machine shares its GPU tensors in place
+(no copy on its side) and the engine opens them, reading the trainer's memory until the
+round's commit copies it into the model.
+
+A handle is PyTorch's own (`torch.multiprocessing.reductions`, which also keeps the
+producer's bookkeeping right); only its plain fields travel, bytes as base64, and the
+device as its UUID, since trainer and engine may number the GPUs differently
+(CUDA_VISIBLE_DEVICES). Opening a handle in the process that made it returns the
+original storage (PyTorch's cache), so in-process engines work too."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from hotswap.weight_transfer.base import ParamMeta
+
+_BYTES = ("handle", "ref_counter_handle", "event_handle")
+_INTS = ("storage_size", "storage_offset", "ref_counter_offset", "tensor_offset")
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def export_handle(tensor: torch.Tensor) -> dict[str, Any]:
+    """The JSON form of a CUDA tensor's IPC handle."""
+    args = reduce_tensor(tensor)[1]
+    (_, _, stride, tensor_offset, _, _, device, handle, size, offset, _, ref_handle,
+     ref_offset, event_handle, event_sync) = args  # fmt: skip
+    return {
+        "device_uuid": device_uuid(device),
+        "handle": _b64(handle),
+        "storage_size": size,
+        "storage_offset": offset,
+        "ref_counter_handle": _b64(ref_handle),
+        "ref_counter_offset": ref_offset,
+        "event_handle": _b64(event_handle),
+        "event_sync_required": bool(event_sync),
+        "tensor_offset": tensor_offset,
+        "stride": list(stride),
+    }
+
+
+def open_handle(meta: ParamMeta, entry: object, field: str) -> torch.Tensor:
+    """The trainer's tensor described by `entry` (checked field by field first)."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{field}: must be a JSON object")
+    raw = {key: _unb64(entry.get(key), f"{field}.{key}") for key in _BYTES}
+    ints = {key: _int(entry.get(key), f"{field}.{key}") for key in _INTS}
+    stride = entry.get("stride")
+    if not isinstance(stride, list) or len(stride) != len(meta.shape):
+        raise ValueError(f"{field}.stride: one integer per dimension of {list(meta.shape)}")
+    stride = [_int(s, f"{field}.stride") for s in stride]
+    device = _local_index(entry.get("device_uuid"), f"{field}.device_uuid")
+    if meta.numel == 0:
+        return torch.empty(meta.shape, dtype=meta.dtype, device=f"cuda:{device}")
+    if raw["handle"] is None:
+        raise ValueError(f"{field}.handle: required for a non-empty tensor")
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(meta.shape), tuple(stride), ints["tensor_offset"],
+            torch.UntypedStorage, meta.dtype, device, raw["handle"], ints["storage_size"],
+            ints["storage_offset"], False, raw["ref_counter_handle"],
+            ints["ref_counter_offset"], raw["event_handle"],
+            bool(entry.get("event_sync_required")),
+        )  # fmt: skip
+    except RuntimeError as e:  # a stale or foreign handle, or a view outside its storage
+        raise ValueError(f"{field}: cannot open the CUDA IPC handle ({e})") from None
+
+
+def _local_index(uuid: object, field: str) -> int:
+    if not torch.cuda.is_available():
+        raise ValueError(f"{field}: this engine has no CUDA device to open the handle on")
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    raise ValueError(f"{field}: GPU {uuid!r} is not visible to the engine")
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def _unb64(value: object, field: str) -> bytes | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ValueError(f"{field}: must be base64 text")
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error:
+        raise ValueError(f"{field}: not valid base64") from None
+
+
+def _int(value: object, field: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{field}: must be a non-negative integer, got {value!r}")
+    return value
