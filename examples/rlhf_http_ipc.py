@@ -3,9 +3,10 @@ shared memory (the `ipc` backend).
 
 The server starts with random weights (`--load-format dummy`), so its first completion is
 gibberish. The trainer (the real built-in SmolLM2-135M-Instruct, loaded with transformers)
-pauses generation, writes its weights into shared-memory segments of at most 64 MiB
-(packed mode: several tensors per segment, memory bounded), and for each segment sends only
-JSON over HTTP (names, dtypes, shapes, the segment's name; no pickle). It resumes and the
+moves its parameters into shared memory once, in place (`share_source=True`: the model
+trains on as before), pauses generation and sends only JSON over HTTP (names, dtypes,
+shapes, the segment's name and byte offsets; no pickle). The engine reads the weights
+straight from the trainer's memory: one copy in all, at the commit. It resumes and the
 same prompt completes sensibly. No group to join: the ipc engine needs no rendezvous.
 
     .venv/bin/python examples/rlhf_http_ipc.py
@@ -22,13 +23,11 @@ from hotswap.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 
-SEGMENT_BYTES = 64 << 20
-
 
 def sync_weights(url: str) -> None:
     """The trainer's side of one update: a full round through shared memory."""
     model = load_trainer_model()
-    info = IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=SEGMENT_BYTES)
+    info = IPCTrainerInitInfo(share_source=True)
     client = HTTPWeightSyncClient(url)
     engine = WeightTransferTrainerFactory.trainer_init(
         info, client=client, source=ModuleSource(model)
