@@ -217,7 +217,9 @@ def _check_positive(name: str, value: int) -> None:
 
 
 def check_device(value: str) -> str:
-    """ "cpu", "cuda" or "cuda:N", and CUDA must be there to be asked for."""
+    """cpu, cuda or cuda:N, and CUDA must be there to be asked for. A bare cuda becomes
+    cuda:N for the current device: PyTorch resolves a bare cuda per thread, and the engine
+    allocates on several threads."""
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError):
@@ -227,7 +229,9 @@ def check_device(value: str) -> str:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device: {value!r}: CUDA is not available on this machine")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
             raise ValueError(
                 f"device: {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
             )

@@ -167,9 +167,12 @@ class EngineCore:
         self._refuse_during_weight_round("sleep")
         if not self.sleep_state.is_sleeping:
             self.sleep_state.resume_on_wake = not self.is_paused()
-        return self.pause(mode, clear_cache=level >= 1)
+        outputs = self.pause(mode, clear_cache=level >= 1)
+        self.sleep_state.pending = True
+        return outputs
 
     def finish_sleep(self, level: int) -> None:
+        self.sleep_state.pending = False
         self.finish_pause(clear_cache=level >= 1)
         # Frozen requests were preempted by the clear; only PAUSED_ALL keeps them waiting.
         self.scheduler.set_pause_state(PauseState.PAUSED_ALL)
@@ -179,6 +182,7 @@ class EngineCore:
                 self.runner.residency.discard()
             else:
                 self.runner.residency.offload()
+            self.weight_sync.release_buffers()
             self.runner.release_cached_memory()
         state = self.sleep_state
         state.level = max(state.level, level)
@@ -207,8 +211,7 @@ class EngineCore:
         between steps, so no step sees a half-loaded model."""
         if label is not None and (not isinstance(label, str) or not label):
             raise ValueError(f"weight_version: must be a non-empty string, got {label!r}")
-        if WEIGHTS in self.sleep_state.asleep:
-            raise EngineStateError("weights are asleep: wake_up(tags=['weights']) first")
+        self._refuse_while_weights_sleep("update_weights_from_disk")
         self._refuse_during_weight_round("update_weights_from_disk")
         try:
             self.weight_sync.reload_from_disk(model_dir)
@@ -220,8 +223,7 @@ class EngineCore:
 
     # -- weight transfer (DESIGN §4) --------------------------------------------------------
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        if WEIGHTS in self.sleep_state.asleep:
-            raise EngineStateError("weights are asleep: wake_up(tags=['weights']) first")
+        self._refuse_while_weights_sleep("start_weight_update")
         self.weight_sync.start(is_checkpoint_format)
 
     def finish_weight_update(
@@ -247,6 +249,12 @@ class EngineCore:
         if missing and self.weight_sync.covers_model(staged, checkpoint):
             self.sleep_state.weights_missing = False
         return self.update_weight_version(label or self.weight_label)
+
+    def _refuse_while_weights_sleep(self, what: str) -> None:
+        if WEIGHTS in self.sleep_state.asleep:
+            raise EngineStateError(f"{what}: weights are asleep: wake_up(tags=['weights']) first")
+        if self.sleep_state.pending:  # finishing it would take the weights mid-round
+            raise EngineStateError(f"{what}: a sleep is in progress; let it finish, then wake_up")
 
     def _refuse_during_weight_round(self, what: str) -> None:
         if self.weight_sync.round_open:

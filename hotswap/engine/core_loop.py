@@ -158,9 +158,8 @@ class EngineCoreLoop:
         elif call.method in BACKGROUND_CALLS:
             self.background_busy = True
             threading.Thread(
-                target=lambda: self.inbox.put(
-                    (InputKind.BACKGROUND_DONE, (call, *_invoke(handler, call)))
-                ),
+                target=self._run_in_background,
+                args=(handler, call),
                 name=f"hotswap-{call.method}",
                 daemon=True,
             ).start()
@@ -168,6 +167,13 @@ class EngineCoreLoop:
             result, error = _invoke(handler, call)
             if result is not _PENDING or error is not None:
                 self._answer(call.call_id, result, error)
+
+    def _run_in_background(self, handler: Callable[..., object], call: UtilityCall) -> None:
+        outcome: tuple[object, Exception | None] = (None, RuntimeError(f"{call.method} died"))
+        try:
+            outcome = _invoke(handler, call)
+        finally:  # always report back, or the calls waiting behind it would wait forever
+            self.inbox.put((InputKind.BACKGROUND_DONE, (call, *outcome)))
 
     def _background_done(self, call: UtilityCall, result: object, error: Exception | None) -> None:
         self.background_busy = False

@@ -42,6 +42,8 @@ class SleepState:
     # Set when level-2 weights were woken as zeros: no step runs until weights are loaded.
     weights_missing: bool = False
     resume_on_wake: bool = True  # False if the engine was already paused before sleeping
+    # A sleep waiting for its pause to complete; weights must not start changing meanwhile.
+    pending: bool = False
 
     @property
     def is_sleeping(self) -> bool:

@@ -181,7 +181,14 @@ class WeightSync:
             return False
         logger.warning("weight update round open for over %.0f s: aborted", timeout_s)
         self.round = None
+        if self.transfer is not None:
+            self.transfer.finish_weight_update()
         return True
+
+    def release_buffers(self) -> None:
+        """Drop the pooled receive buffers (sleep frees memory; the next round
+        allocates again)."""
+        self._pool.clear()
 
     def covers_model(self, staged: Iterable[str], is_checkpoint_format: bool) -> bool:
         return not self._missing(set(staged), is_checkpoint_format)

@@ -14,20 +14,22 @@ class WeightResidency:
         self.layout: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self.resident = True
 
-    def offload(self) -> None:
-        """Move every parameter into the host backup; the model keeps empty tensors, so a
-        step that ran by mistake would fail loudly instead of using stale memory."""
+    def offload(self, keep: bool = True) -> None:
+        """Move every parameter into the host backup (or drop it: `keep=False`); the model
+        keeps empty tensors, so a step that ran by mistake would fail loudly instead of
+        using stale memory."""
         if not self.resident:
             return
         for name, param in self.model.named_parameters():
             self.layout[name] = (param.shape, param.dtype, param.device)
-            self.backup[name] = param.data.to("cpu") if param.is_cuda else param.data
+            if keep:
+                self.backup[name] = param.data.to("cpu") if param.is_cuda else param.data
             param.data = _placeholder(param)
         self.resident = False
 
     def discard(self) -> None:
-        self.offload()
         self.backup.clear()
+        self.offload(keep=False)
 
     def restore(self) -> bool:
         """Bring the weights back. True if they are the pre-sleep weights; False if they

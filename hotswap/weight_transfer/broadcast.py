@@ -52,7 +52,9 @@ def join_group(
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
     if device.type == "cuda":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # the watchdog's limit for a collective
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
@@ -122,6 +124,7 @@ class BroadcastChannel:
                 if tensor.numel():
                     self._broadcast(byte_view(tensor)).wait()
                 out.append((meta.name, tensor))
+            self._synchronize()
             return out
         # Receive straight into one flat layout (distinct memory per buffer, so every
         # broadcast can be posted at once); the tensors are views of it.
@@ -132,7 +135,14 @@ class BroadcastChannel:
             start += length
         for work in works:
             work.wait()
+        self._synchronize()
         return views(metas, arena)
+
+    def _synchronize(self) -> None:
+        """On CUDA, `wait()` only orders streams: block until the bytes are here, so a
+        failed transfer surfaces in this update call, not in a later model step."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
 
 class BroadcastEngine(WeightTransferEngine):

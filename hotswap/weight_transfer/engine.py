@@ -26,8 +26,10 @@ class WeightTransferConfig:
     require_complete: bool = False
     # A round left open this long (trainer gone between calls) is aborted.
     round_timeout_s: float = 600.0
-    # Keep last round's receive buffers for the next (one extra copy of the weights held
-    # between rounds; about 3x faster receives). Off: allocate per round.
+    # Keep last round's receive buffers for the next (one extra copy of what was sent held
+    # between rounds, on the engine's device; about 3x faster receives on CPU). Off:
+    # allocate per round (on a GPU short of memory). Sleep (level >= 1) drops them.
+    # The ipc backend stages views of the trainer's memory and uses no buffers.
     reuse_receive_buffers: bool = True
 
     @classmethod

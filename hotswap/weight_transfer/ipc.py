@@ -50,8 +50,14 @@ class IPCEngine(WeightTransferEngine):
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
-        self._mapped: dict[str, Segment] = {}  # kept across rounds: remapping costs faults
+        # Kept across rounds (remapping costs page faults), until a round stops using them:
+        # the engine holds the trainer's last segments until the next round or shutdown.
+        self._mapped: dict[str, Segment] = {}
         self._used: set[str] = set()
+        # CUDA tensors opened this round and last: reopening a handle whose storage is still
+        # open reuses it (PyTorch's cache) instead of opening another IPC mapping and event.
+        self._cuda_open: list[torch.Tensor] = []
+        self._cuda_kept: list[torch.Tensor] = []
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         check_available()
@@ -61,7 +67,9 @@ class IPCEngine(WeightTransferEngine):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Views of the trainer's memory, valid for the rest of the round."""
         if "cuda_ipc" in update_info:
-            return iter(_open_cuda_handles(update_info["cuda_ipc"], metas))
+            opened = _open_cuda_handles(update_info["cuda_ipc"], metas)
+            self._cuda_open.extend(t for _, t in opened)
+            return iter(opened)
         names = update_info.get("segments")
         if not isinstance(names, list):
             raise ValueError("update_info.segments: required, a list of segment names")
@@ -95,9 +103,11 @@ class IPCEngine(WeightTransferEngine):
         # Unmap segments this round did not use (staged views keep their own mapping).
         self._mapped = {n: s for n, s in self._mapped.items() if n in self._used}
         self._used = set()
+        self._cuda_kept, self._cuda_open = self._cuda_open, []
 
     def shutdown(self) -> None:
         self._mapped, self._used = {}, set()
+        self._cuda_open, self._cuda_kept = [], []
 
 
 def _open_cuda_handles(entries: object, metas: list[ParamMeta]) -> list[tuple[str, torch.Tensor]]:
@@ -140,15 +150,16 @@ _SHARED: weakref.WeakValueDictionary[int, Segment] = weakref.WeakValueDictionary
 
 def share_module_memory(module: nn.Module) -> Segment | None:
     """Move the module's CPU parameters into one shared-memory segment, in place (the
-    Parameter objects stay, so optimizers keep working); the `ipc` backend then sends them
-    without copying. Returns the segment (None if there is nothing to move); it stays alive
-    with the module. Calling it again moves only parameters that left shared memory."""
-    params = [p for p in dict.fromkeys(module.parameters()) if _locate(p) is None]
-    if any(p.device.type != "cpu" for p in params):
-        raise ValueError(
-            "share_module_memory: CPU parameters only (CUDA tensors are sent in place anyway)"
-        )
-    params = [p for p in params if p.numel()]
+    Parameter objects stay, so optimizers keep working; each keeps a storage of its own,
+    so checkpointing works as before); the `ipc` backend then sends them without copying.
+    CUDA parameters stay where they are (they travel as CUDA IPC handles). Returns the
+    segment (None if there is nothing to move); it stays alive with the module. Calling it
+    again moves only parameters that left shared memory."""
+    params = [
+        p
+        for p in dict.fromkeys(module.parameters())
+        if p.device.type == "cpu" and p.numel() and _locate(p) is None
+    ]
     if not params:
         return None
     metas = [ParamMeta("", p.dtype, tuple(p.shape)) for p in params]
@@ -156,7 +167,7 @@ def share_module_memory(module: nn.Module) -> Segment | None:
     segment = Segment.create(total)
     with torch.no_grad():
         for param, meta, offset in zip(params, metas, offsets):
-            view = segment.data[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+            view = segment.view(meta.dtype, offset, meta.numel).view(meta.shape)
             view.copy_(param)
             param.data = view
     _SHARED[segment.data.data_ptr()] = segment
@@ -167,12 +178,13 @@ def share_module_memory(module: nn.Module) -> Segment | None:
 
 def _locate(tensor: torch.Tensor) -> tuple[Segment, int] | None:
     """(segment, byte offset) if the tensor lies contiguously in a shared segment."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.numel():
         return None
-    segment = _SHARED.get(tensor.untyped_storage().data_ptr())
-    if segment is None:
-        return None
-    return segment, tensor.data_ptr() - segment.data.data_ptr()
+    start = tensor.data_ptr()
+    for base, segment in list(_SHARED.items()):
+        if base <= start and start + tensor.nbytes <= base + segment.size:
+            return segment, start - base
+    return None
 
 
 @dataclass(kw_only=True)
@@ -202,6 +214,8 @@ class IPCTrainer(TrainerWeightTransferEngine):
     def send_round(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:
         on_gpu = [i for i, t in enumerate(tensors) if t.is_cuda]
         if on_gpu:
+            for device in {tensors[i].device for i in on_gpu}:
+                torch.cuda.synchronize(device)  # the engine reads on its own streams
             self.client.update_weights(
                 {
                     **metas_to_update_info([metas[i] for i in on_gpu]),

@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 SHM_DIR = Path("/dev/shm")
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")  # no "." / "..", no paths
 
 
 def check_available() -> None:
@@ -34,26 +35,34 @@ def check_name(name: object, field_name: str) -> str:
     return name
 
 
-def _map(fd: int, size: int) -> torch.Tensor:
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps `mapping` alive
+def _map(fd: int, size: int) -> mmap.mmap | None:
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED) if size else None
 
 
-@dataclass
+@dataclass(eq=False)
 class Segment:
     """A segment this process created (`create`) or opened (`attach`)."""
 
     name: str
-    data: torch.Tensor  # the whole segment, as uint8
+    mapping: mmap.mmap | None  # None for an empty segment
     inode: int
     owned: bool
     _finalizer: weakref.finalize | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        self.data = self.view(torch.uint8, 0, self.size)  # the whole segment
+
     @property
     def size(self) -> int:
-        return self.data.numel()
+        return len(self.mapping) if self.mapping is not None else 0
+
+    def view(self, dtype: torch.dtype, offset: int, count: int) -> torch.Tensor:
+        """`count` elements at byte `offset`, as a tensor with a storage of its own (so
+        several such tensors are separate storages to torch.save and safetensors); it
+        keeps the mapping alive."""
+        if self.mapping is None or count == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(self.mapping, dtype=dtype, count=count, offset=offset)
 
     @property
     def path(self) -> Path:
@@ -64,14 +73,23 @@ class Segment:
         """A new zero-filled segment, unlinked when this object is collected (or at exit)."""
         check_available()
         name = f"{prefix}_{secrets.token_hex(8)}"
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, size)
-            data, inode = _map(fd, size), os.fstat(fd).st_ino
+            if size:
+                # Reserve the pages now: a full /dev/shm then fails here with ENOSPC
+                # instead of killing the process with SIGBUS at the first write.
+                os.posix_fallocate(fd, 0, size)
+            mapping, inode = _map(fd, size), os.fstat(fd).st_ino
+        except OSError as e:
+            path.unlink()
+            raise ValueError(
+                f"shared memory: cannot allocate {size} bytes in {SHM_DIR} ({e})"
+            ) from e
         finally:
             os.close(fd)
-        segment = cls(name, data, inode, owned=True)
-        segment._finalizer = weakref.finalize(segment, _unlink, SHM_DIR / name)
+        segment = cls(name, mapping, inode, owned=True)
+        segment._finalizer = weakref.finalize(segment, _unlink, path, os.getpid())
         return segment
 
     @classmethod
@@ -83,8 +101,10 @@ class Segment:
         except FileNotFoundError:
             raise ValueError(f"no shared-memory segment {name!r}") from None
         try:
-            stat = os.fstat(fd)
-            return cls(name, _map(fd, stat.st_size), stat.st_ino, owned=False)
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{name!r} is not a shared-memory segment")
+            return cls(name, _map(fd, info.st_size), info.st_ino, owned=False)
         finally:
             os.close(fd)
 
@@ -101,6 +121,8 @@ class Segment:
             self._finalizer()
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: Path, creator_pid: int) -> None:
+    if os.getpid() != creator_pid:
+        return  # a forked child: the segment is its parent's to remove
     with contextlib.suppress(FileNotFoundError):
         path.unlink()

@@ -190,3 +190,29 @@ def test_reset_prefix_cache_of_running_requests_keeps_outputs_exact(make_engine)
         assert stats["num_free_blocks"] == stats["num_blocks"]
 
     asyncio.run(scenario())
+
+
+def test_weights_cannot_start_changing_while_a_sleep_waits(make_engine) -> None:
+    # A sleep in `wait` mode finishes when the running request does; a weight round
+    # opened meanwhile would have its weights taken away mid-round.
+    async def scenario() -> None:
+        llm = make_engine(weight_transfer_config={"backend": "ipc"}, max_model_len=512)
+        params = SamplingParams(temperature=0.0, max_tokens=450, ignore_eos=True)
+        stream = llm.generate(PROMPT, params, request_id="long")
+        await anext(stream)
+        sleeping = asyncio.create_task(llm.sleep(1, "wait"))
+        await asyncio.sleep(0.05)
+        assert not sleeping.done()
+        with pytest.raises(EngineStateError, match="start_weight_update: a sleep is in progress"):
+            await llm.start_weight_update()
+        with pytest.raises(EngineStateError, match="a sleep is in progress"):
+            await llm.load_weights_from_disk(str(core_of(llm).config.model.path))
+        await llm.abort("long")  # the last running request ends: the sleep completes
+        async for _ in stream:
+            pass
+        await sleeping
+        await llm.wake_up()
+        await llm.start_weight_update()  # allowed again once awake
+        await llm.finish_weight_update(abort=True)
+
+    asyncio.run(scenario())

@@ -132,6 +132,8 @@ def test_engine_drops_mappings_a_round_no_longer_uses(v1_dir, v2_dir) -> None:
         ({"handle": "not base64!"}, r"cuda_ipc\[0\].handle: not valid base64"),
         ({"storage_size": -1}, r"cuda_ipc\[0\].storage_size: must be a non-negative integer"),
         ({"stride": [1, 1]}, r"cuda_ipc\[0\].stride: one integer per dimension of \[64\]"),
+        ({"storage_size": 16}, r"cuda_ipc\[0\].storage_size: 16 bytes do not hold the view"),
+        ({"event_sync_required": "yes"}, r"cuda_ipc\[0\].event_sync_required: must be a boolean"),
         ({"device_uuid": "GPU-x"}, r"cuda_ipc\[0\].device_uuid: "),
     ],
 )
@@ -158,3 +160,42 @@ def test_cuda_ipc_handles_are_checked_before_opening(v1_dir, change: dict, error
         llm.update_weights({**info, "cuda_ipc": []})
     llm.finish_weight_update(abort=True)
     assert llm.get_weight_info() == before
+
+
+def test_shared_parameters_still_checkpoint(tmp_path: Path) -> None:
+    import io
+
+    from safetensors.torch import load_model, save_model
+
+    module = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    module[1].to(torch.bfloat16)  # mixed dtypes in one segment
+    expected = {k: v.clone() for k, v in module.state_dict().items()}
+    assert share_module_memory(module) is not None
+    buffer = io.BytesIO()
+    torch.save(module.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+    save_model(module, str(tmp_path / "m.safetensors"))
+    copy = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2).to(torch.bfloat16))
+    load_model(copy, str(tmp_path / "m.safetensors"))
+    assert all(torch.equal(copy.state_dict()[k], v) for k, v in expected.items())
+
+
+def test_a_handle_exported_by_this_process_is_taken_as_is() -> None:
+    # CUDA cannot open an IPC handle in the process that exported it; an in-process engine
+    # takes the exported tensor itself (CPU tensors stand in for CUDA ones here).
+    import os
+
+    from hotswap.weight_transfer import cuda_ipc
+    from hotswap.weight_transfer.base import ParamMeta
+
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    cuda_ipc._EXPORTED[10**9] = tensor
+    entry = {"pid": os.getpid(), "export_id": 10**9}
+    meta = ParamMeta("w", torch.float32, (2, 3))
+    assert cuda_ipc.open_handle(meta, entry, "f") is tensor
+    with pytest.raises(ValueError, match="the exported tensor is not w"):
+        cuda_ipc.open_handle(ParamMeta("w", torch.float32, (3, 2)), entry, "f")
+    with pytest.raises(ValueError, match="f.handle"):  # another process's: a real handle needed
+        cuda_ipc.open_handle(meta, {**entry, "pid": os.getpid() + 1, "handle": 5}, "f")
