@@ -172,6 +172,12 @@ class AsyncLLM:
         """Receive one chunk (validated, staged; the model is not touched yet)."""
         return await self._call("update_weights", update_info)
 
+    async def prepare_weight_update(self) -> int:
+        """Phase one of a commit across engines: refuse now what `finish` would refuse
+        (e.g. an incomplete round under `require_complete`), apply nothing; the round stays
+        open. Returns the number of staged tensors."""
+        return await self._call("prepare_weight_update")
+
     async def finish_weight_update(
         self, weight_version: str | None = None, abort: bool = False
     ) -> dict[str, Any]:

@@ -53,6 +53,7 @@ BACKGROUND_CALLS = frozenset({"init_weight_transfer_engine", "update_weights"})
 # Wait (in arrival order) while a background call runs: they use the weights or the channel.
 WAIT_FOR_BACKGROUND = BACKGROUND_CALLS | {
     "start_weight_update",
+    "prepare_weight_update",
     "finish_weight_update",
     "load_weights_from_disk",
     "sleep",
@@ -213,6 +214,9 @@ class EngineCoreLoop:
 
     def _call_update_weights(self, call: UtilityCall, update_info: dict) -> int:
         return self.core.weight_sync.update(update_info)
+
+    def _call_prepare_weight_update(self, call: UtilityCall) -> int:
+        return self.core.weight_sync.prepare()
 
     def _call_finish_weight_update(self, call: UtilityCall, label: str | None, abort: bool) -> dict:
         self.outputs.extend(self.core.finish_weight_update(label, abort))

@@ -85,6 +85,10 @@ class LLM:
     def update_weights(self, update_info: dict[str, Any]) -> int:
         return self.engine.weight_sync.update(update_info)
 
+    def prepare_weight_update(self) -> int:
+        """Check the open round as `finish` would, without applying (see AsyncLLM)."""
+        return self.engine.weight_sync.prepare()
+
     def finish_weight_update(
         self, weight_version: str | None = None, abort: bool = False
     ) -> dict[str, Any]:
@@ -94,6 +98,11 @@ class LLM:
     def update_weight_version(self, label: str) -> dict[str, Any]:
         self.engine.update_weight_version(label)
         return self.engine.get_weight_version()
+
+    def get_world_size(self) -> int:
+        """Receiving workers behind this engine (a broadcast group is this + 1)."""
+        transfer = self.engine.weight_sync.transfer
+        return transfer.world_size() if transfer is not None else 1
 
     def get_weight_info(self) -> dict[str, Any]:
         return {**self.engine.get_weight_version(), "digest": self.engine.weights_digest()}

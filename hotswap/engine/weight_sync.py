@@ -140,6 +140,15 @@ class WeightSync:
                 self.transfer.allocate = self._pooled
         return len(metas)
 
+    def prepare(self) -> int:
+        """Phase one of a commit across several engines: everything `finish` checks,
+        without applying; the round stays open. Returns how many tensors are staged."""
+        if self.round is None:
+            raise EngineStateError("prepare_weight_update: no round is open")
+        if self.config is not None and self.config.require_complete:
+            self._check_complete(self.round)
+        return len(self.round.staged) + len(self.round.deltas)
+
     def finish(self, abort: bool = False) -> dict[str, torch.Tensor] | None:
         """Validate coverage and write the stage into the model (all or nothing). Returns
         None when aborted; otherwise the round closes and the caller commits a version."""

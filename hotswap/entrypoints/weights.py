@@ -50,6 +50,13 @@ async def update_weights(request: Request) -> dict:
     return {"message": "Weights updated"}
 
 
+@weights_router.post("/prepare_weight_update")
+async def prepare_weight_update(request: Request) -> dict:
+    """hotswap extension, phase one of a commit across engines: refuses (400 / 409) what
+    /finish_weight_update would, applies nothing; the round stays open."""
+    return {"status": "prepared", "staged": await get_engine(request).prepare_weight_update()}
+
+
 @weights_router.post("/finish_weight_update")
 async def finish_weight_update(request: Request) -> dict:
     body = await json_object(request)

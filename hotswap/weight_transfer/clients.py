@@ -30,6 +30,16 @@ class WeightSyncClient(Protocol):
     ) -> None: ...
 
 
+class PreparingWeightSyncClient(WeightSyncClient, Protocol):
+    """A client whose engine can check a round before committing it (for EngineGroup)."""
+
+    def prepare_weight_update(self) -> None: ...
+
+    def get_world_size(self) -> int: ...
+
+    def weight_info(self) -> dict[str, Any]: ...
+
+
 class HTTPWeightSyncClient:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -55,6 +65,12 @@ class HTTPWeightSyncClient:
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._post("/update_weights", {"update_info": update_info})
 
+    def prepare_weight_update(self) -> None:
+        self._post("/prepare_weight_update")
+
+    def get_world_size(self) -> int:
+        return int(self._get("/get_world_size")["world_size"])
+
     def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
         body: dict[str, Any] = {"abort": abort}
         if weight_version is not None:
@@ -62,8 +78,13 @@ class HTTPWeightSyncClient:
         self._post("/finish_weight_update", body)
 
     def weight_info(self) -> dict[str, Any]:
-        response = self.http.get("/weight_info")
-        response.raise_for_status()
+        return self._get("/weight_info")
+
+    def _get(self, path: str) -> dict[str, Any]:
+        response = self.http.get(path)
+        if response.status_code != 200:
+            raise WeightSyncError(f"{path}: HTTP {response.status_code}: {response.text}",
+                                  response.status_code)  # fmt: skip
         return response.json()
 
     def close(self) -> None:
@@ -96,5 +117,14 @@ class InProcessWeightSyncClient:
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._run("update_weights", update_info)
 
+    def prepare_weight_update(self) -> None:
+        self._run("prepare_weight_update")
+
     def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
         self._run("finish_weight_update", weight_version, abort)
+
+    def get_world_size(self) -> int:
+        return int(self._run("get_world_size"))
+
+    def weight_info(self) -> dict[str, Any]:
+        return self._run("get_weight_info")

@@ -1,0 +1,5 @@
+"""RL-side helpers: driving several rollout engines as one."""
+
+from hotswap.rl.engine_group import EngineGroup, EngineGroupError
+
+__all__ = ["EngineGroup", "EngineGroupError"]

@@ -1,0 +1,157 @@
+"""One trainer, several rollout engines, one commit point (DESIGN §5).
+
+`EngineGroup(clients)` is itself a weight-sync client: give it to
+`WeightTransferTrainerFactory.trainer_init(...)` and one `send_weights()` updates every
+engine. Each phase runs on all engines at once (a broadcast needs every receiver in it
+together), and broadcast ranks are handed out in order: engine i's workers start right
+after the workers of the engines before it.
+
+The commit is two-phase. After the last chunk every engine *prepares* (refuses now what its
+commit would refuse, e.g. an incomplete round under `require_complete`; applies nothing);
+only if all of them agree does every engine *commit*. Otherwise every engine aborts its
+round and keeps serving its previous weights, so the engines never disagree on a version
+because one of them refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from hotswap.weight_transfer.clients import PreparingWeightSyncClient, WeightSyncError
+
+
+class EngineGroupError(WeightSyncError):
+    """A phase failed on some engines; `failed` maps engine index -> its error."""
+
+    def __init__(self, phase: str, failed: dict[int, BaseException], names: list[str]) -> None:
+        details = "; ".join(f"engine {i} ({names[i]}): {e}" for i, e in failed.items())
+        super().__init__(f"{phase} failed on {len(failed)} of {len(names)} engines: {details}")
+        self.failed = failed
+
+
+class EngineGroup:
+    def __init__(
+        self,
+        clients: Sequence[PreparingWeightSyncClient],
+        world_sizes: Sequence[int] | None = None,
+    ) -> None:
+        """`world_sizes`: receiving workers per engine (asked of each engine if omitted)."""
+        if not clients:
+            raise ValueError("EngineGroup: needs at least one engine client")
+        self.clients = list(clients)
+        self.names = [_describe(c, i) for i, c in enumerate(self.clients)]
+        sizes = list(world_sizes) if world_sizes is not None else [
+            c.get_world_size() for c in self.clients
+        ]  # fmt: skip
+        if len(sizes) != len(self.clients) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes
+        ):
+            raise ValueError("world_sizes: one positive integer per engine client")
+        self.world_sizes = sizes
+        self._executor = ThreadPoolExecutor(len(self.clients), "hotswap-engine-group")
+        self._failures: dict[int, BaseException] = {}
+
+    @property
+    def num_workers(self) -> int:
+        """Receiving workers in all engines: a broadcast group is this + 1 (the trainer)."""
+        return sum(self.world_sizes)
+
+    # -- the weight-sync client protocol ----------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        expected = 1 + self.num_workers
+        if "world_size" in init_info and init_info["world_size"] != expected:
+            raise ValueError(
+                f"init_info.world_size: {init_info['world_size']}, but the group has "
+                f"{self.num_workers} receiving worker(s): the trainer's world_size must be "
+                f"{expected}"
+            )
+        infos = self._with_rank_offsets(init_info)
+        self._on_all("init_weight_transfer_engine",
+                     lambda c, i: c.init_weight_transfer_engine(infos[i]))  # fmt: skip
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        started = self._on_all(
+            "start_weight_update",
+            lambda c, i: c.start_weight_update(is_checkpoint_format),
+            raise_errors=False,
+        )
+        if len(started) < len(self.clients):  # close the rounds that did open, then report
+            failed = self._failures
+            self._abort(started)
+            raise EngineGroupError("start_weight_update", failed, self.names)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._on_all("update_weights", lambda c, i: c.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
+        everyone = list(range(len(self.clients)))
+        if abort:
+            self._abort(everyone)
+            return
+        prepared = self._on_all(
+            "prepare_weight_update", lambda c, i: c.prepare_weight_update(), raise_errors=False
+        )
+        if len(prepared) < len(self.clients):
+            failed = self._failures
+            self._abort(everyone)
+            raise EngineGroupError("prepare_weight_update (nothing was committed)", failed,
+                                   self.names)  # fmt: skip
+        self._on_all("finish_weight_update",
+                     lambda c, i: c.finish_weight_update(weight_version))  # fmt: skip
+
+    # -- checks -----------------------------------------------------------------------------
+    def weight_infos(self) -> list[dict[str, Any]]:
+        return [c.weight_info() for c in self.clients]
+
+    def check_consistent(self) -> dict[str, Any]:
+        """The engines' common {weight_version, digest}; WeightSyncError if they differ."""
+        infos = self.weight_infos()
+        seen = {(i.get("weight_version"), i.get("digest")) for i in infos}
+        if len(seen) != 1:
+            listed = "; ".join(
+                f"{name}: {i.get('weight_version')} {i.get('digest')}"
+                for name, i in zip(self.names, infos)
+            )
+            raise WeightSyncError(f"engines disagree on their weights: {listed}")
+        label, digest = seen.pop()
+        return {"weight_version": label, "digest": digest}
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False)
+
+    # -- fan-out ----------------------------------------------------------------------------
+    def _on_all(
+        self,
+        phase: str,
+        call: Callable[[PreparingWeightSyncClient, int], object],
+        raise_errors: bool = True,
+        among: Sequence[int] | None = None,
+    ) -> list[int]:
+        """Run `call` on every engine (or `among`) at once; the indices that succeeded.
+        Failures are kept in `_failures` (and raised together unless told not to)."""
+        indices = list(range(len(self.clients))) if among is None else list(among)
+        futures = {i: self._executor.submit(call, self.clients[i], i) for i in indices}
+        self._failures = {i: f.exception() for i, f in futures.items() if f.exception()}
+        if self._failures and raise_errors:
+            raise EngineGroupError(phase, self._failures, self.names)
+        return [i for i in indices if i not in self._failures]
+
+    def _abort(self, indices: Sequence[int]) -> None:
+        """Best effort: an engine that cannot abort (e.g. has no open round) is skipped."""
+        self._on_all("abort", lambda c, i: c.finish_weight_update(abort=True),
+                     raise_errors=False, among=indices)  # fmt: skip
+
+    def _with_rank_offsets(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
+        if "rank_offset" not in init_info:
+            return [init_info] * len(self.clients)
+        offset, infos = init_info["rank_offset"], []
+        for size in self.world_sizes:
+            infos.append({**init_info, "rank_offset": offset})
+            offset += size
+        return infos
+
+
+def _describe(client: object, index: int) -> str:
+    http = getattr(client, "http", None)
+    return str(getattr(http, "base_url", "")) or f"#{index}"
