@@ -111,6 +111,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     batch_invariant: bool = False
     device: str = "cpu"
+    # Engine cores behind one front-end (AsyncLLM multiprocess / hotswap serve); with CUDA,
+    # rank i runs on the device's index + i.
+    data_parallel_size: int = 1
+    num_threads: int | None = None  # torch threads per engine core (None: torch's choice)
     enable_sleep_mode: bool = False
     # JSON text or dict, e.g. {"backend": "gloo"} (see hotswap.weight_transfer)
     weight_transfer_config: str | dict[str, Any] | None = None
@@ -130,6 +134,9 @@ class EngineArgs:
             load_format=_check_choice("load_format", self.load_format, ("auto", "dummy")),
             seed=self.seed,
         )
+        _check_positive("data_parallel_size", self.data_parallel_size)
+        if self.num_threads is not None:
+            _check_positive("num_threads", self.num_threads)
         return EngineConfig(
             model=model_cfg,
             cache=self._cache_config(),

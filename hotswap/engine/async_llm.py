@@ -17,6 +17,7 @@ from typing import Any
 from hotswap.config import EngineArgs
 from hotswap.engine.core import check_pause_mode
 from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient, MPEngineClient
+from hotswap.engine.dp_client import DPEngineClient
 from hotswap.engine.errors import EngineDeadError, EngineStateError
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.output_processor import OutputProcessor
@@ -44,11 +45,18 @@ class AsyncLLM:
         self.config = args.create_engine_config()
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
-        self.client: EngineCoreClient = (
-            MPEngineClient(args)
-            if multiprocess
-            else InprocEngineClient(self.config, progress=progress)
-        )
+        self.client: EngineCoreClient
+        if args.data_parallel_size > 1:
+            if not multiprocess:
+                raise ValueError(
+                    "data_parallel_size: engine cores run in child processes; "
+                    "use multiprocess=True (hotswap serve does)"
+                )
+            self.client = DPEngineClient(args)
+        elif multiprocess:
+            self.client = MPEngineClient(args)
+        else:
+            self.client = InprocEngineClient(self.config, progress=progress)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()

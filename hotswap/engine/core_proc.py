@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
 from hotswap.config import EngineArgs, EngineConfig
@@ -99,7 +100,10 @@ def main(argv: list[str]) -> None:
         name="hotswap-parent-watch",
         daemon=True,
     ).start()
-    config = EngineArgs(**json.loads(args_json)).create_engine_config()
+    args = EngineArgs(**json.loads(args_json))
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    config = args.create_engine_config()
     run_engine_core_process(config, input_addr, output_addr)
 
 

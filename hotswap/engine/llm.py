@@ -28,7 +28,13 @@ class LLM:
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"LLM: unknown engine argument(s) {sorted(unknown)}")
-        self.config = EngineArgs(model=model, **engine_args).create_engine_config()
+        args = EngineArgs(model=model, **engine_args)
+        if args.data_parallel_size != 1:
+            raise ValueError(
+                "data_parallel_size: LLM runs one engine core; use AsyncLLM(multiprocess=True, "
+                "data_parallel_size=N) or hotswap serve --data-parallel-size N"
+            )
+        self.config = args.create_engine_config()
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.engine = EngineCore(self.config, progress=progress)
         self.processor = OutputProcessor(self.tokenizer)

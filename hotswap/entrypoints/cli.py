@@ -28,6 +28,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores behind one server (requests balanced, control calls fanned out)",
+    )
+    group.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads per engine core"
+    )
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--block-size", type=int, default=16)

@@ -72,5 +72,5 @@ async def finish_weight_update(request: Request) -> dict:
 
 @weights_router.get("/get_world_size")
 async def get_world_size(request: Request, include_dp: bool = True) -> dict:
-    """Receiving workers (the trainer's group is this + 1). One engine core, no DP yet."""
+    """Receiving workers: one per data-parallel rank (the trainer's group is this + 1)."""
     return {"world_size": await get_engine(request).get_world_size()}

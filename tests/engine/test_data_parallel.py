@@ -1,0 +1,76 @@
+"""Data parallel: two engine-core processes behind one AsyncLLM. Requests are spread over
+both and produce what one engine produces; pause/resume and aborts reach every rank; one
+gloo broadcast (trainer + 2 workers) updates both ranks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hotswap import LLM, AsyncLLM, SamplingParams
+from hotswap.weight_transfer import (
+    GlooTrainerInitInfo,
+    InProcessWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+from tests.weight_transfer.conftest import free_port, trainer_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [f"request {i} of a data-parallel batch" for i in range(6)]
+ENGINE = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
+
+
+def reference(path) -> list[list[int]]:  # noqa: ANN001
+    llm = LLM(str(path), progress=False, **ENGINE)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+async def generate_all(llm: AsyncLLM) -> list[list[int]]:
+    async def one(i: int) -> list[int]:
+        outs = [o async for o in llm.generate(PROMPTS[i], GREEDY, request_id=f"r{i}")]
+        return outs[-1].outputs[0].token_ids
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
+
+
+def test_two_ranks_serve_control_and_sync_as_one(tiny_model_factory) -> None:
+    v1, v2 = tiny_model_factory("llama", seed=0), tiny_model_factory("llama", seed=1)
+    expected_v1, expected_v2 = reference(v1), reference(v2)
+
+    async def scenario() -> None:
+        config = {"backend": "gloo", "require_complete": True}
+        llm = AsyncLLM(str(v1), multiprocess=True, data_parallel_size=2, progress=False,
+                       weight_transfer_config=config, **ENGINE)  # fmt: skip
+        try:
+            assert await generate_all(llm) == expected_v1
+            assert all(count > 0 for count in llm.client.routed)  # both ranks served
+            stats = await llm.get_stats()
+            assert stats["data_parallel_size"] == 2 and stats["num_blocks"] == 128
+            await llm.pause_generation("keep")
+            assert await llm.is_paused()
+            await llm.resume_generation()
+            assert await llm.get_world_size() == 2
+            info = GlooTrainerInitInfo(master_port=free_port(), world_size=3)
+            trainer = trainer_model(v2)
+            sync = await asyncio.to_thread(
+                WeightTransferTrainerFactory.trainer_init,
+                info, InProcessWeightSyncClient(llm), ModuleSource(trainer),
+            )  # fmt: skip
+            await asyncio.to_thread(sync.send_weights, "v2")
+            assert await generate_all(llm) == expected_v2  # every rank has V2
+            assert (await llm.get_weight_version())["label"] == "v2"
+        finally:
+            llm.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_data_parallel_needs_processes(tiny_llama) -> None:
+    with pytest.raises(ValueError, match="data_parallel_size: engine cores run in child"):
+        AsyncLLM(str(tiny_llama), data_parallel_size=2, progress=False)
+    with pytest.raises(ValueError, match="data_parallel_size: LLM runs one engine core"):
+        LLM(str(tiny_llama), data_parallel_size=2, progress=False)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        AsyncLLM(str(tiny_llama), multiprocess=True, data_parallel_size=0, progress=False)
