@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import httpx
@@ -77,10 +77,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def serve(weight_transfer_config: dict[str, Any]) -> Iterator[tuple[str, str]]:
+def serve(
+    weight_transfer_config: dict[str, Any], extra_args: Sequence[str] = ()
+) -> Iterator[tuple[str, str]]:
     """`hotswap serve` (built-in model, random weights, control plane on, free port);
     yields (served model name, base URL) once /health answers; always torn down."""
-    cmd = [sys.executable, "-m", "hotswap", "serve", "--load-format", "dummy"]
+    cmd = [sys.executable, "-m", "hotswap", "serve", "--load-format", "dummy", *extra_args]
     cmd += ["--enable-control", "--port", "0", "--log-level", "warning"]
     cmd += ["--weight-transfer-config", json.dumps(weight_transfer_config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

@@ -19,6 +19,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("rlhf_http_gloo.py", "Paris"),
         ("rlhf_http_ipc.py", "Paris"),
         ("rlhf_async.py", "trained"),
+        ("rlhf_multi_server.py", "every server now has: {'weight_version': 'step-1'"),
     ],
 )
 def test_example_runs(script: str, expected: str) -> None:

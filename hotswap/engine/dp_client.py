@@ -134,6 +134,10 @@ def _merge(method: str, results: list[UtilityResult]) -> UtilityResult:
         return UtilityResult(first.call_id, result=sum(values))
     if method == "get_stats":
         return UtilityResult(first.call_id, result=_merge_stats(values))
+    if method == "get_weight_info" and len({v.get("digest") for v in values}) > 1:
+        # Ranks must hold the same weights; say so rather than report rank 0's digest.
+        info = {**values[0], "digest": None, "rank_digests": [v.get("digest") for v in values]}
+        return UtilityResult(first.call_id, result=info)
     return first
 
 
