@@ -89,6 +89,7 @@ class EngineConfig:
     tokenizer: Path | None = None
     enable_sleep_mode: bool = False
     weight_transfer: WeightTransferConfig | None = None
+    data_parallel_rank: int = 0  # which engine core this is (unseeded sampling differs)
 
 
 @dataclass
@@ -114,7 +115,10 @@ class EngineArgs:
     # Engine cores behind one front-end (AsyncLLM multiprocess / hotswap serve); with CUDA,
     # rank i runs on the device's index + i.
     data_parallel_size: int = 1
-    num_threads: int | None = None  # torch threads per engine core (None: torch's choice)
+    data_parallel_rank: int = 0  # set per engine core by the data-parallel front-end
+    # torch threads per engine core (None: torch's choice); process-wide when the engine
+    # runs in this process
+    num_threads: int | None = None
     enable_sleep_mode: bool = False
     # JSON text or dict, e.g. {"backend": "gloo"} (see hotswap.weight_transfer)
     weight_transfer_config: str | dict[str, Any] | None = None
@@ -146,6 +150,7 @@ class EngineArgs:
             tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
             enable_sleep_mode=self.enable_sleep_mode,
             weight_transfer=WeightTransferConfig.parse(self.weight_transfer_config),
+            data_parallel_rank=self.data_parallel_rank,
         )
 
     def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:

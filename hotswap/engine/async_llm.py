@@ -14,6 +14,8 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
+import torch
+
 from hotswap.config import EngineArgs
 from hotswap.engine.core import check_pause_mode
 from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient, MPEngineClient
@@ -56,6 +58,8 @@ class AsyncLLM:
         elif multiprocess:
             self.client = MPEngineClient(args)
         else:
+            if args.num_threads is not None:
+                torch.set_num_threads(args.num_threads)  # the engine runs in this process
             self.client = InprocEngineClient(self.config, progress=progress)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}

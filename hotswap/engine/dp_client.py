@@ -27,8 +27,9 @@ from hotswap.engine.messages import (
     UtilityResult,
 )
 
-# Summed across ranks (other numbers: see _merge_stats).
+# Summed across ranks (other numbers: see _merge_stats); true if true on any rank.
 _SUMMED_RESULTS = frozenset({"get_world_size", "reset_prefix_cache"})
+_ANY_RESULTS = frozenset({"is_paused", "is_sleeping"})
 _MAX_STATS = frozenset({"weight_version", "sleep_level", "step_ms_p50", "step_ms_p99"})
 
 
@@ -38,8 +39,11 @@ def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
     if device.startswith("cuda"):
         base = int(device.partition(":")[2] or 0)
         device = f"cuda:{base + rank}"
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // args.data_parallel_size)
-    return dataclasses.replace(args, device=device, num_threads=threads, data_parallel_size=1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = args.num_threads or max(1, (cpus or 1) // args.data_parallel_size)
+    return dataclasses.replace(
+        args, device=device, num_threads=threads, data_parallel_size=1, data_parallel_rank=rank
+    )
 
 
 class DPEngineClient(EngineCoreClient):
@@ -52,8 +56,10 @@ class DPEngineClient(EngineCoreClient):
             self.shutdown()
             raise
         self.lock = threading.Lock()  # every rank's receiver thread calls in
-        self.owner: dict[str, int] = {}  # unfinished request id -> rank
-        self.load = [0] * len(self.ranks)
+        self.owner: dict[str, int] = {}  # request id -> the rank it was last sent to
+        # Unfinished requests per rank. A reused id may briefly be on two ranks (the old
+        # one still finishing its abort), so ranks count their own.
+        self.active: list[set[str]] = [set() for _ in self.ranks]
         self.routed = [0] * len(self.ranks)  # requests sent to each rank, ever
         self.answers: dict[int, list[UtilityResult | None]] = {}
         self.methods: dict[int, str] = {}
@@ -66,9 +72,9 @@ class DPEngineClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self.lock:
-            rank = min(range(len(self.ranks)), key=lambda i: self.load[i])
+            rank = min(range(len(self.ranks)), key=lambda i: len(self.active[i]))
             self.owner[request.request_id] = rank
-            self.load[rank] += 1
+            self.active[rank].add(request.request_id)
             self.routed[rank] += 1
         self.ranks[rank].add_request(request)
 
@@ -95,12 +101,14 @@ class DPEngineClient(EngineCoreClient):
     def _from_rank(self, index: int, batch: EngineCoreOutputs) -> None:
         assert self.on_outputs is not None
         if batch.engine_error is not None:
-            self.on_outputs(EngineCoreOutputs(engine_error=f"rank {index}: {batch.engine_error}"))
+            self._rank_died(index, batch.engine_error)
             return
         with self.lock:  # held while handing over, so batches keep their order
             for output in batch.outputs:
-                if output.finish_reason is not None and output.request_id in self.owner:
-                    self.load[self.owner.pop(output.request_id)] -= 1
+                if output.finish_reason is not None:
+                    self.active[index].discard(output.request_id)
+                    if self.owner.get(output.request_id) == index:
+                        del self.owner[output.request_id]
             merged = []
             for result in batch.results:
                 slots = self.answers.get(result.call_id)
@@ -109,18 +117,43 @@ class DPEngineClient(EngineCoreClient):
                 slots[index] = result
                 if all(slot is not None for slot in slots):
                     del self.answers[result.call_id]
-                    merged.append(_merge(self.methods.pop(result.call_id), slots))
+                    merged.append(_merge_safely(self.methods.pop(result.call_id), slots))
             if batch.outputs or merged:
                 self.on_outputs(EngineCoreOutputs(batch.outputs, merged))
 
+    def _rank_died(self, index: int, error: str) -> None:
+        """The front-end fails every stream and call; stop the other ranks' work too."""
+        with self.lock:
+            survivors = [(i, list(ids)) for i, ids in enumerate(self.active) if i != index]
+            self.active = [set() for _ in self.ranks]
+            self.owner.clear()
+            self.answers.clear()
+        for i, ids in survivors:
+            self.ranks[i].abort_requests(ids)
+        assert self.on_outputs is not None
+        self.on_outputs(EngineCoreOutputs(engine_error=f"rank {index}: {error}"))
+
 
 def _args_for(call: UtilityCall, rank: int) -> list:
-    """Rank `rank` joins a broadcast group as worker rank_offset + rank."""
+    """Rank `rank` joins a broadcast group (an init info with a world size) as worker
+    rank_offset + rank; the offset defaults to 1, as on a single engine."""
     if call.method == "init_weight_transfer_engine" and call.args:
         info = call.args[0]
-        if isinstance(info, dict) and isinstance(info.get("rank_offset"), int):
-            return [{**info, "rank_offset": info["rank_offset"] + rank}]
+        if isinstance(info, dict) and "world_size" in info:
+            offset = info.get("rank_offset", 1)
+            if isinstance(offset, int) and not isinstance(offset, bool):
+                return [{**info, "rank_offset": offset + rank}]
     return list(call.args)
+
+
+def _merge_safely(method: str, results: list[UtilityResult]) -> UtilityResult:
+    """A merge that fails answers the call with the error instead of killing the rank's
+    receiver thread (which would leave every later call unanswered)."""
+    try:
+        return _merge(method, results)
+    except Exception as e:  # noqa: BLE001
+        return UtilityResult(results[0].call_id, error=f"merging the ranks' answers to "
+                             f"{method} failed: {e}", error_type="RuntimeError")  # fmt: skip
 
 
 def _merge(method: str, results: list[UtilityResult]) -> UtilityResult:
@@ -132,6 +165,8 @@ def _merge(method: str, results: list[UtilityResult]) -> UtilityResult:
     values = [r.result for r in results]
     if method in _SUMMED_RESULTS:
         return UtilityResult(first.call_id, result=sum(values))
+    if method in _ANY_RESULTS:
+        return UtilityResult(first.call_id, result=any(values))
     if method == "get_stats":
         return UtilityResult(first.call_id, result=_merge_stats(values))
     if method == "get_weight_info" and len({v.get("digest") for v in values}) > 1:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from hotswap.config import EngineArgs
@@ -35,6 +36,8 @@ class LLM:
                 "data_parallel_size=N) or hotswap serve --data-parallel-size N"
             )
         self.config = args.create_engine_config()
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.engine = EngineCore(self.config, progress=progress)
         self.processor = OutputProcessor(self.tokenizer)

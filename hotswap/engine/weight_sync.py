@@ -147,6 +147,8 @@ class WeightSync:
             raise EngineStateError("prepare_weight_update: no round is open")
         if self.config is not None and self.config.require_complete:
             self._check_complete(self.round)
+        # The commit follows: the round must not expire between the two phases.
+        self.round.started = time.monotonic()
         return len(self.round.staged) + len(self.round.deltas)
 
     def finish(self, abort: bool = False) -> dict[str, torch.Tensor] | None:

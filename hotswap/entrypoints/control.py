@@ -101,7 +101,10 @@ class WeightVersionBody(BaseModel):
 @control_router.get("/weight_info")
 async def weight_info(request: Request) -> dict:
     info = await get_engine(request).get_weight_info()
-    return {"weight_version": info["label"], "version": info["version"], "digest": info["digest"]}
+    out = {"weight_version": info["label"], "version": info["version"], "digest": info["digest"]}
+    if "rank_digests" in info:  # data-parallel ranks that disagree (digest is then null)
+        out["rank_digests"] = info["rank_digests"]
+    return out
 
 
 @control_router.post("/update_weight_version")

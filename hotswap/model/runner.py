@@ -48,7 +48,11 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
-        self.sampler = Sampler(config.model.seed)
+        # Each data-parallel rank draws its own noise for unseeded requests (the same seed
+        # would make ranks sample identical "random" completions). The CPU generator keeps
+        # 32 bits of a seed, so ranks are spread within them; rank 0 keeps the seed as is.
+        rank_seed = (config.model.seed + 0x9E3779B1 * config.data_parallel_rank) % 2**32
+        self.sampler = Sampler(rank_seed)
         self.residency = WeightResidency(self.model)
 
     # -- KV cache -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ because one of them refused."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -50,7 +50,6 @@ class EngineGroup:
             raise ValueError("world_sizes: one positive integer per engine client")
         self.world_sizes = sizes
         self._executor = ThreadPoolExecutor(len(self.clients), "hotswap-engine-group")
-        self._failures: dict[int, BaseException] = {}
 
     @property
     def num_workers(self) -> int:
@@ -67,55 +66,62 @@ class EngineGroup:
                 f"{expected}"
             )
         infos = self._with_rank_offsets(init_info)
-        self._on_all("init_weight_transfer_engine",
-                     lambda c, i: c.init_weight_transfer_engine(infos[i]))  # fmt: skip
+        failed = self._on_all(
+            "init_weight_transfer_engine", lambda c, i: c.init_weight_transfer_engine(infos[i])
+        )
+        if failed:
+            raise EngineGroupError("init_weight_transfer_engine", failed, self.names)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        started = self._on_all(
-            "start_weight_update",
-            lambda c, i: c.start_weight_update(is_checkpoint_format),
-            raise_errors=False,
+        failed = self._on_all(
+            "start_weight_update", lambda c, i: c.start_weight_update(is_checkpoint_format)
         )
-        if len(started) < len(self.clients):  # close the rounds that did open, then report
-            failed = self._failures
-            self._abort(started)
+        if failed:  # abort everywhere: a lost reply may hide a round that did open
+            self._abort(range(len(self.clients)))
             raise EngineGroupError("start_weight_update", failed, self.names)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._on_all("update_weights", lambda c, i: c.update_weights(update_info))
+        failed = self._on_all("update_weights", lambda c, i: c.update_weights(update_info))
+        if failed:
+            raise EngineGroupError("update_weights", failed, self.names)
 
     def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
-        everyone = list(range(len(self.clients)))
+        everyone = range(len(self.clients))
         if abort:
             self._abort(everyone)
             return
-        prepared = self._on_all(
-            "prepare_weight_update", lambda c, i: c.prepare_weight_update(), raise_errors=False
-        )
-        if len(prepared) < len(self.clients):
-            failed = self._failures
+        bad_label = not isinstance(weight_version, str) or not weight_version
+        if weight_version is not None and bad_label:
+            self._abort(everyone)
+            raise ValueError(f"weight_version: must be a non-empty string, got {weight_version!r}")
+        failed = self._on_all("prepare_weight_update", lambda c, i: c.prepare_weight_update())
+        if failed:
             self._abort(everyone)
             raise EngineGroupError("prepare_weight_update (nothing was committed)", failed,
                                    self.names)  # fmt: skip
-        self._on_all("finish_weight_update",
-                     lambda c, i: c.finish_weight_update(weight_version))  # fmt: skip
+        failed = self._on_all(
+            "finish_weight_update", lambda c, i: c.finish_weight_update(weight_version)
+        )
+        if failed:  # not expected after prepare; say exactly where the commit landed
+            self._abort(failed)
+            committed = [self.names[i] for i in everyone if i not in failed]
+            raise EngineGroupError(f"finish_weight_update (committed on {committed or 'none'})",
+                                   failed, self.names)  # fmt: skip
 
     # -- checks -----------------------------------------------------------------------------
     def weight_infos(self) -> list[dict[str, Any]]:
         return [c.weight_info() for c in self.clients]
 
     def check_consistent(self) -> dict[str, Any]:
-        """The engines' common {weight_version, digest}; WeightSyncError if they differ."""
-        infos = self.weight_infos()
-        seen = {(i.get("weight_version"), i.get("digest")) for i in infos}
-        if len(seen) != 1:
-            listed = "; ".join(
-                f"{name}: {i.get('weight_version')} {i.get('digest')}"
-                for name, i in zip(self.names, infos)
-            )
+        """The engines' common {weight_version, digest}; WeightSyncError if they differ or
+        an engine cannot vouch for its weights (no digest: asleep, missing, or DP ranks that
+        disagree)."""
+        seen = [(_label(info), info.get("digest")) for info in self.weight_infos()]
+        if len(set(seen)) != 1 or seen[0][1] is None:
+            listed = "; ".join(f"{name}: {label} {digest}"
+                               for name, (label, digest) in zip(self.names, seen))  # fmt: skip
             raise WeightSyncError(f"engines disagree on their weights: {listed}")
-        label, digest = seen.pop()
-        return {"weight_version": label, "digest": digest}
+        return {"weight_version": seen[0][0], "digest": seen[0][1]}
 
     def close(self) -> None:
         self._executor.shutdown(wait=False)
@@ -125,31 +131,32 @@ class EngineGroup:
         self,
         phase: str,
         call: Callable[[PreparingWeightSyncClient, int], object],
-        raise_errors: bool = True,
-        among: Sequence[int] | None = None,
-    ) -> list[int]:
-        """Run `call` on every engine (or `among`) at once; the indices that succeeded.
-        Failures are kept in `_failures` (and raised together unless told not to)."""
-        indices = list(range(len(self.clients))) if among is None else list(among)
+        among: Iterable[int] | None = None,
+    ) -> dict[int, BaseException]:
+        """Run `call` on every engine (or `among`) at once; the failures by engine."""
+        indices = range(len(self.clients)) if among is None else among
         futures = {i: self._executor.submit(call, self.clients[i], i) for i in indices}
-        self._failures = {i: f.exception() for i, f in futures.items() if f.exception()}
-        if self._failures and raise_errors:
-            raise EngineGroupError(phase, self._failures, self.names)
-        return [i for i in indices if i not in self._failures]
+        return {i: f.exception() for i, f in futures.items() if f.exception() is not None}
 
-    def _abort(self, indices: Sequence[int]) -> None:
+    def _abort(self, indices: Iterable[int]) -> None:
         """Best effort: an engine that cannot abort (e.g. has no open round) is skipped."""
-        self._on_all("abort", lambda c, i: c.finish_weight_update(abort=True),
-                     raise_errors=False, among=indices)  # fmt: skip
+        self._on_all("abort", lambda c, i: c.finish_weight_update(abort=True), among=indices)
 
     def _with_rank_offsets(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
-        if "rank_offset" not in init_info:
+        """A broadcast init (it has a world size) gets each engine's first worker rank;
+        the offset starts at 1 (the trainer is rank 0), as for a single engine."""
+        if "world_size" not in init_info:
             return [init_info] * len(self.clients)
-        offset, infos = init_info["rank_offset"], []
+        offset, infos = init_info.get("rank_offset", 1), []
         for size in self.world_sizes:
             infos.append({**init_info, "rank_offset": offset})
             offset += size
         return infos
+
+
+def _label(info: dict[str, Any]) -> object:
+    """The committed label, whichever client shape (HTTP or in-process) reported it."""
+    return info.get("weight_version", info.get("label"))
 
 
 def _describe(client: object, index: int) -> str:

@@ -46,6 +46,9 @@ def test_two_ranks_serve_control_and_sync_as_one(tiny_model_factory) -> None:
         try:
             assert await generate_all(llm) == expected_v1
             assert all(count > 0 for count in llm.client.routed)  # both ranks served
+            assert await _unseeded_pair_differs(llm)
+            await _abort_mid_flight(llm)
+            assert not any(llm.client.active) and not llm.client.owner  # nothing leaked
             stats = await llm.get_stats()
             assert stats["data_parallel_size"] == 2 and stats["num_blocks"] == 128
             await llm.pause_generation("keep")
@@ -67,6 +70,29 @@ def test_two_ranks_serve_control_and_sync_as_one(tiny_model_factory) -> None:
             llm.shutdown()
 
     asyncio.run(scenario())
+
+
+async def _unseeded_pair_differs(llm: AsyncLLM) -> bool:
+    """Two unseeded samples of one prompt, on the two ranks: each rank draws its own
+    noise (with one shared seed they were identical)."""
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+
+    async def sample(request_id: str) -> list[int]:
+        outs = [o async for o in llm.generate(PROMPTS[0], params, request_id=request_id)]
+        return outs[-1].outputs[0].token_ids
+
+    first, second = await asyncio.gather(sample("s0"), sample("s1"))
+    return first != second
+
+
+async def _abort_mid_flight(llm: AsyncLLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    stream = llm.generate(PROMPTS[1], params, request_id="long")
+    await anext(stream)
+    assert await llm.abort("long") == 1
+    outs = [o async for o in stream]
+    assert outs[-1].outputs[0].finish_reason == "abort"
+    await asyncio.sleep(0.2)  # the rank's abort output reaches the bookkeeping
 
 
 def test_data_parallel_needs_processes(tiny_llama) -> None:
