@@ -26,6 +26,7 @@ from hotswap.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from hotswap.weight_transfer.engine import shift_rank_offset
 
 # Summed across ranks (other numbers: see _merge_stats); true if true on any rank.
 _SUMMED_RESULTS = frozenset({"get_world_size", "reset_prefix_cache"})
@@ -135,15 +136,11 @@ class DPEngineClient(EngineCoreClient):
 
 
 def _args_for(call: UtilityCall, rank: int) -> list:
-    """Rank `rank` joins a broadcast group (an init info with a world size) as worker
-    rank_offset + rank; the offset defaults to 1, as on a single engine."""
-    if call.method == "init_weight_transfer_engine" and call.args:
-        info = call.args[0]
-        if isinstance(info, dict) and "world_size" in info:
-            offset = info.get("rank_offset", 1)
-            if isinstance(offset, int) and not isinstance(offset, bool):
-                return [{**info, "rank_offset": offset + rank}]
-    return list(call.args)
+    """Rank `rank` joins a broadcast group as worker rank_offset + rank."""
+    args = list(call.args)
+    if call.method == "init_weight_transfer_engine" and args and isinstance(args[0], dict):
+        return [shift_rank_offset(args[0], rank)]
+    return args
 
 
 def _merge_safely(method: str, results: list[UtilityResult]) -> UtilityResult:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hotswap.weight_transfer.clients import PreparingWeightSyncClient, WeightSyncError
+from hotswap.weight_transfer.engine import shift_rank_offset
 
 
 class EngineGroupError(WeightSyncError):
@@ -143,15 +144,9 @@ class EngineGroup:
         self._on_all("abort", lambda c, i: c.finish_weight_update(abort=True), among=indices)
 
     def _with_rank_offsets(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
-        """A broadcast init (it has a world size) gets each engine's first worker rank;
-        the offset starts at 1 (the trainer is rank 0), as for a single engine."""
-        if "world_size" not in init_info:
-            return [init_info] * len(self.clients)
-        offset, infos = init_info.get("rank_offset", 1), []
-        for size in self.world_sizes:
-            infos.append({**init_info, "rank_offset": offset})
-            offset += size
-        return infos
+        """Each engine's workers follow those of the engines before it."""
+        before = [sum(self.world_sizes[:i]) for i in range(len(self.world_sizes))]
+        return [shift_rank_offset(init_info, shift) for shift in before]
 
 
 def _label(info: dict[str, Any]) -> object:

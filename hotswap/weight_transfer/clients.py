@@ -46,15 +46,10 @@ class HTTPWeightSyncClient:
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        response = self.http.post(path, json=body)
-        if response.status_code != 200:
-            try:
-                message = response.json()["error"]["message"]
-            except (ValueError, KeyError, TypeError):
-                message = response.text
-            raise WeightSyncError(f"{path}: HTTP {response.status_code}: {message}",
-                                  response.status_code)  # fmt: skip
-        return response.json()
+        return _checked(path, self.http.post(path, json=body))
+
+    def _get(self, path: str) -> dict[str, Any]:
+        return _checked(path, self.http.get(path))
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
@@ -80,15 +75,20 @@ class HTTPWeightSyncClient:
     def weight_info(self) -> dict[str, Any]:
         return self._get("/weight_info")
 
-    def _get(self, path: str) -> dict[str, Any]:
-        response = self.http.get(path)
-        if response.status_code != 200:
-            raise WeightSyncError(f"{path}: HTTP {response.status_code}: {response.text}",
-                                  response.status_code)  # fmt: skip
-        return response.json()
-
     def close(self) -> None:
         self.http.close()
+
+
+def _checked(path: str, response: httpx.Response) -> dict[str, Any]:
+    """The JSON body of a 200; otherwise WeightSyncError with the engine's reason."""
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        raise WeightSyncError(f"{path}: HTTP {response.status_code}: {message}",
+                              response.status_code)  # fmt: skip
+    return response.json()
 
 
 class InProcessWeightSyncClient:

@@ -55,6 +55,16 @@ class WeightTransferConfig:
         return config
 
 
+def shift_rank_offset(init_info: dict[str, Any], shift: int) -> dict[str, Any]:
+    """The init info for a receiver `shift` workers further on: a broadcast init (it has a
+    world size) moves its first worker rank (default 1: the trainer is rank 0); any other
+    init info is the same for every receiver."""
+    offset = init_info.get("rank_offset", 1)
+    if "world_size" not in init_info or not isinstance(offset, int) or isinstance(offset, bool):
+        return init_info
+    return {**init_info, "rank_offset": offset + shift}
+
+
 class WeightTransferEngine(ABC):
     """init once; per round: start, receive (one or more update infos), finish."""
 

@@ -9,7 +9,6 @@ elements, else int64) then its values."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -133,13 +132,9 @@ class SparseTrainer(BroadcastTrainer):
         info = {**metas_to_update_info(metas), "nnz": [p.indices.numel() for p in patches]}
         indices = index_dtype(metas)
         tensors = [t for p in patches for t in (p.indices.to(indices), p.values)]
-        self.client.start_weight_update(is_checkpoint_format=True)
-        try:
-            run_alongside(
+        self.run_round(
+            lambda: run_alongside(
                 lambda: self.client.update_weights(info), lambda: self.channel.send(tensors)
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.client.finish_weight_update(abort=True)
-            raise
-        self.client.finish_weight_update(weight_version)
+            ),
+            weight_version,
+        )

@@ -51,11 +51,15 @@ class TrainerWeightTransferEngine(ABC):
         sent; if the round fails after start, it is aborted on the engine (best effort),
         which keeps serving its previous weights."""
         metas, tensors = checked_items(self.source)
-        if not self.is_sender:
-            return
+        if self.is_sender:
+            self.run_round(lambda: self.send_round(metas, tensors), weight_version)
+
+    def run_round(self, move: Callable[[], None], weight_version: str | None) -> None:
+        """start -> `move` (the update calls and the data plane) -> finish; a round that
+        fails after start is aborted on the engine (best effort)."""
         self.client.start_weight_update(is_checkpoint_format=self.is_checkpoint_format)
         try:
-            self.send_round(metas, tensors)
+            move()
         except BaseException:
             with contextlib.suppress(Exception):
                 self.client.finish_weight_update(abort=True)
