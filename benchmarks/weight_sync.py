@@ -106,10 +106,11 @@ class ControlTimer:
         super().start_weight_update(is_checkpoint_format)  # type: ignore[misc]
         self.control_s += time.perf_counter() - start
 
-    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
+    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> Any:
         start = time.perf_counter()
-        super().finish_weight_update(weight_version, abort)  # type: ignore[misc]
+        committed = super().finish_weight_update(weight_version, abort)  # type: ignore[misc]
         self.control_s += time.perf_counter() - start
+        return committed
 
 
 class TimedInProcessClient(ControlTimer, InProcessWeightSyncClient):
@@ -173,21 +174,32 @@ def gloo_loopback_gbps(nbytes: int = 64 * MIB, repeats: int = 3) -> float:
 
 
 @contextlib.contextmanager
-def receiver(path: Path, backend: str, engine: str) -> Iterator[TimedClient]:
+def receiver(
+    path: Path, backend: str, engine: str, weight_dir: Path | None = None
+) -> Iterator[TimedClient]:
     """The engine that receives (random starting weights, a small KV cache): an `LLM` in
-    this process, or a `hotswap serve` process driven over HTTP (what an RL trainer runs)."""
+    this process, or a `hotswap serve` process driven over HTTP (what an RL trainer runs).
+    `weight_dir`: where the disk backend's files are (allowed_weight_dirs)."""
     settings = dict(dtype="float32", load_format="dummy", num_kv_blocks=64, max_model_len=512)
+    allowed = [str(weight_dir)] if weight_dir is not None else None
     if engine == "in-process":
         config = {"backend": backend}
-        yield TimedInProcessClient(
-            LLM(str(path), progress=False, weight_transfer_config=config, **settings)
+        llm = LLM(
+            str(path),
+            progress=False,
+            weight_transfer_config=config,
+            allowed_weight_dirs=allowed,
+            **settings,
         )
+        yield TimedInProcessClient(llm)
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.helpers.server import RemoteServer
 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
     config = f'--weight-transfer-config={{"backend": "{backend}"}}'
+    if allowed:
+        flags += ["--allowed-weight-dirs", *allowed]
     server = RemoteServer(path, *flags, config, "--enable-control")
     client = TimedHTTPClient(server.url)
     try:
@@ -267,7 +279,7 @@ def run_case(
     case: Case, model_name: str, path: Path, trainer: torch.nn.Module, tmp: Path, args
 ) -> Result:
     source = ModuleSource(trainer)
-    with receiver(path, case.backend, args.engine) as client:
+    with receiver(path, case.backend, args.engine, tmp) as client:
         engine = WeightTransferTrainerFactory.trainer_init(case.make_info(tmp), client, source)
         total_s, xfer_s = best_of(engine, client, args.rounds)
         digest = client.digest()

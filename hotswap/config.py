@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,15 @@ from typing import Any
 import torch
 
 from hotswap.weight_transfer.engine import WeightTransferConfig
+
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def check_logprobs_mode(mode: object) -> str:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
 
 _DTYPES = {
     "float32": torch.float32,
@@ -45,6 +55,9 @@ class ModelConfig:
     max_model_len: int
     load_format: str = "auto"
     seed: int = 0
+    # The final norm and LM head run in this dtype (None: `dtype`). float32 with a bf16
+    # body keeps the logprobs an RL trainer compares against close to an fp32 trainer's.
+    head_dtype: torch.dtype | None = None
 
     @property
     def architecture(self) -> str:
@@ -90,6 +103,9 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     weight_transfer: WeightTransferConfig | None = None
     data_parallel_rank: int = 0  # which engine core this is (unseeded sampling differs)
+    logprobs_mode: str = "raw_logprobs"  # vLLM's: raw_/processed_ logprobs/logits
+    # Disk reloads read only files whose real path lies under one of these (real paths).
+    allowed_weight_dirs: tuple[Path, ...] = ()
 
 
 @dataclass
@@ -122,6 +138,15 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     # JSON text or dict, e.g. {"backend": "gloo"} (see hotswap.weight_transfer)
     weight_transfer_config: str | dict[str, Any] | None = None
+    # What logprobs report (vLLM's names): raw_logprobs, raw_logits, processed_logprobs
+    # (the distribution tokens are drawn from: what RL importance ratios need),
+    # processed_logits.
+    logprobs_mode: str = "raw_logprobs"
+    # dtype of the final norm and LM head (None: dtype); "float32" for RL with a bf16 body
+    lm_head_dtype: str | None = None
+    # Directories a disk reload (/update_weights_from_disk, the disk backend) may read
+    # from, symlinks resolved; None: the model directory's parent.
+    allowed_weight_dirs: list[str] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -137,6 +162,7 @@ class EngineArgs:
             max_model_len=self._resolve_max_model_len(hf_config),
             load_format=_check_choice("load_format", self.load_format, ("auto", "dummy")),
             seed=self.seed,
+            head_dtype=self._head_dtype(),
         )
         _check_positive("data_parallel_size", self.data_parallel_size)
         if self.num_threads is not None:
@@ -151,7 +177,17 @@ class EngineArgs:
             enable_sleep_mode=self.enable_sleep_mode,
             weight_transfer=WeightTransferConfig.parse(self.weight_transfer_config),
             data_parallel_rank=self.data_parallel_rank,
+            logprobs_mode=check_logprobs_mode(self.logprobs_mode),
+            allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
         )
+
+    def _head_dtype(self) -> torch.dtype | None:
+        if self.lm_head_dtype is None:
+            return None
+        try:
+            return parse_dtype(self.lm_head_dtype)
+        except ValueError as e:
+            raise ValueError(str(e).replace("dtype:", "lm_head_dtype:", 1)) from None
 
     def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:
         limit = int(hf_config.get("max_position_embeddings") or 2048)
@@ -213,6 +249,20 @@ def resolve_model_path(model: str | None) -> Path:
             f"checkpoints; it never downloads)"
         )
     return path
+
+
+def allowed_weight_dirs(dirs: object, model_dir: Path) -> tuple[Path, ...]:
+    """The real paths of `dirs` (one path or a list of them); None: the model's parent.
+    Resolved once, at start: what a reload may read is fixed when the server starts."""
+    if dirs is None:
+        return (Path(os.path.realpath(model_dir)).parent,)
+    if isinstance(dirs, (str, os.PathLike)):
+        dirs = [dirs]
+    if not isinstance(dirs, (list, tuple)) or not all(
+        isinstance(d, (str, os.PathLike)) and str(d) for d in dirs
+    ):
+        raise ValueError(f"allowed_weight_dirs: must be a list of directories, got {dirs!r}")
+    return tuple(Path(os.path.realpath(os.path.expanduser(d))) for d in dirs)
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:

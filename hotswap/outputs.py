@@ -14,6 +14,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# vLLM's shape: None for the first prompt token (nothing predicts it), then one dict per
+# prompt token holding that token plus the top-k.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -43,6 +46,20 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def token_versions(self) -> list[int]:
+        """The committed weight version of each token in `token_ids` (the spans, unrolled:
+        what AReaL-style trainers consume per token)."""
+        if not self.weight_versions:
+            return []
+        offset = self.weight_versions[0].start  # delta outputs: spans index the whole output
+        versions = [0] * len(self.token_ids)
+        for span in self.weight_versions:
+            versions[span.start - offset : span.end - offset] = [span.version] * (
+                span.end - span.start
+            )
+        return versions
+
 
 @dataclass
 class RequestOutput:
@@ -52,3 +69,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams(prompt_logprobs=k)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top-k per token, sampled or prompt
 
 
 class RequestOutputKind(Enum):
@@ -29,6 +31,15 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k logprobs per sampled token (0: sampled token only)
+    # top-k logprobs per prompt token (0: the prompt token only); vLLM's shape: None for the
+    # first prompt token, then one dict per token. Requests asking for them skip the
+    # prefix cache (a cached prefix has no logits to give).
+    prompt_logprobs: int | None = None
+    # vLLM's semantics: repetition over prompt + output (logit / p if > 0 else * p),
+    # presence and frequency over the output (OpenAI's definition).
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     # Abort (finish_reason "abort") instead of straddling more than this many weight
@@ -48,7 +59,7 @@ class SamplingParams:
     def _validate(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
         _require(
-            _is_number(self.temperature) and self.temperature >= 0.0,
+            _is_finite(self.temperature) and self.temperature >= 0.0,
             "temperature",
             f"must be >= 0, got {self.temperature!r}",
         )
@@ -87,11 +98,28 @@ class SamplingParams:
             "stop_token_ids",
             "must be non-negative integers",
         )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(
+                value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                name,
+                f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
+            )
+        self._validate_penalties()
+
+    def _validate_penalties(self) -> None:
         _require(
-            self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-            "logprobs",
-            f"must be a non-negative integer, got {self.logprobs!r}",
+            _is_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,
+            "repetition_penalty",
+            f"must be in (0, 100], got {self.repetition_penalty!r}",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(
+                _is_finite(value) and -2.0 <= value <= 2.0,
+                name,
+                f"must be in [-2, 2], got {value!r}",
+            )
 
     def _validate_lengths(self) -> None:
         _require(
@@ -115,10 +143,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
     def for_child(self, index: int) -> SamplingParams:
         """The params of choice `index` when n > 1: one sample each, distinct seeds."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        # The prompt is the same for every choice: the first one scores it.
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def _require(ok: bool, name: str, message: str) -> None:
@@ -132,3 +170,7 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    return _is_number(value) and math.isfinite(value)  # type: ignore[arg-type]

@@ -3,6 +3,8 @@ plus a trainer, on the built-in model)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +34,48 @@ def test_example_runs(script: str, expected: str) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert expected in result.stdout, result.stdout[-3000:]
+
+
+def run_grpo(*args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "grpo_async.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=840,
+        cwd=EXAMPLES,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def summaries(stdout: str) -> list[dict]:
+    return [json.loads(line.removeprefix("summary: "))
+            for line in stdout.splitlines() if line.startswith("summary: ")]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpo_recipe_learns_with_the_engines_logprobs(tmp_path: Path) -> None:
+    """Async (one-step-off) GRPO, fp32 engine, temperature 0.7 (so processed logprobs differ
+    from raw ones): the reward rises, and on tokens sampled from the trainer's current
+    weights the engine's logprobs equal the trainer's to 1e-4."""
+    log = tmp_path / "grpo.json"
+    run_grpo("--mode", "async", "--steps", "8", "--temperature", "0.7", "--log-json", str(log))
+    summary = json.loads(log.read_text())["summary"]
+    assert summary["steps"] == 8
+    assert summary["reward_last"] >= summary["reward_first"] + 0.2, summary
+    assert summary["on_policy_tokens"] > 0
+    assert summary["max_abs_dlogp"] <= 1e-4, summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpo_recipe_compare_over_http_and_gloo(tmp_path: Path) -> None:
+    """`--compare` runs both modes against `hotswap serve` (weights over gloo) and plots."""
+    plot = tmp_path / "compare.png"
+    result = run_grpo("--compare", "--steps", "2", "--engine", "http", "--transport", "gloo",
+                      "--plot", str(plot))  # fmt: skip
+    assert [s["mode"] for s in summaries(result.stdout)] == ["sync", "async"]
+    assert all(s["max_abs_dlogp"] <= 1e-4 for s in summaries(result.stdout))
+    assert "async is" in result.stdout and plot.stat().st_size > 10_000

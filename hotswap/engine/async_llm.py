@@ -23,7 +23,7 @@ from hotswap.engine.dp_client import DPEngineClient
 from hotswap.engine.errors import EngineDeadError, EngineStateError
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.output_processor import OutputProcessor
-from hotswap.engine.prompts import Prompt, check_prompt, encode_prompt
+from hotswap.engine.prompts import Prompt, check_prompt, encode_prompt, prompt_cache_salt
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -105,13 +105,19 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = encode_prompt(self.tokenizer, prompt)
         check_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
+        salt = prompt_cache_salt(prompt)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
         self._prompt_tokens += len(ids)
         for child_id, child_params in self.processor.add_request(request_id, text, ids, params):
             self.client.add_request(
                 EngineCoreRequest(
-                    child_id, ids, child_params, self.tokenizer.eos_token_id, time.monotonic()
+                    child_id,
+                    ids,
+                    child_params,
+                    self.tokenizer.eos_token_id,
+                    time.monotonic(),
+                    cache_salt=salt,
                 )
             )
         return stream
@@ -191,11 +197,13 @@ class AsyncLLM:
         return await self._call("prepare_weight_update")
 
     async def finish_weight_update(
-        self, weight_version: str | None = None, abort: bool = False
+        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
     ) -> dict[str, Any]:
         """Apply the staged weights all at once and commit version + 1 labelled
-        `weight_version`; `abort=True` drops the round instead. Returns {version, label}."""
-        return await self._call("finish_weight_update", weight_version, abort)
+        `weight_version`; `abort=True` drops the round instead. Returns {version, label,
+        digest} as of this commit; `digest` (a blake2b of the weights, as `get_weight_info`
+        gives) only when asked for, since it reads every weight, otherwise None."""
+        return await self._call("finish_weight_update", weight_version, abort, digest)
 
     async def get_world_size(self) -> int:
         return await self._call("get_world_size")

@@ -26,6 +26,7 @@ from hotswap.engine.sleep import (
 )
 from hotswap.engine.weight_sync import WeightApplyError, WeightSync
 from hotswap.model.runner import ModelRunner, RunnerOutput
+from hotswap.model.sampler import TokenLogprobs
 
 PAUSE_MODES = ("abort", "wait", "keep")
 DEFAULT_WEIGHT_LABEL = "default"
@@ -51,7 +52,10 @@ class EngineCore:
         transfer = config.weight_transfer
         self.round_timeout_s = transfer.round_timeout_s if transfer is not None else 0.0
         self.weight_sync = WeightSync(
-            self.runner.model, config.weight_transfer, torch.device(config.device)
+            self.runner.model,
+            config.weight_transfer,
+            torch.device(config.device),
+            config.allowed_weight_dirs,
         )
         self._digest: tuple[tuple[int, bool], str] | None = None  # cache key, digest
 
@@ -70,6 +74,7 @@ class EngineCore:
             req.sampling_params,
             req.eos_token_id,
             req.arrival_time,
+            req.cache_salt,
         )
         self.scheduler.add_request(request)
 
@@ -285,6 +290,12 @@ class EngineCore:
     def get_weight_version(self) -> dict[str, int | str]:
         return {"version": self.weight_version, "label": self.weight_label}
 
+    def committed_weights(self, digest: bool) -> dict[str, object]:
+        """The answer to a finish: {version, label, digest}, taken in the same call as the
+        commit so it names exactly that commit. The digest reads every weight (~0.3 s for
+        the default model), so it is computed only when asked for; otherwise None."""
+        return {**self.get_weight_version(), "digest": self.weights_digest() if digest else None}
+
     def _abort_lagging_requests(self) -> list[EngineCoreOutput]:
         lagging = {}
         for request in self.scheduler.requests.values():
@@ -317,6 +328,9 @@ class EngineCore:
             self._check_not_stuck()
             return []
         result = self.runner.execute(plan)
+        for request_id, scored in result.prompt_logprobs.items():
+            if (request := self.scheduler.requests.get(request_id)) is not None:
+                request.prompt_logprobs.extend(scored)
         changed = self.scheduler.update_from_output(plan, result.sampled)
         outputs = [self._step_output(r, result) for r in changed]
         self.step_seconds.append(time.perf_counter() - start)
@@ -327,14 +341,10 @@ class EngineCore:
         out = self._finished_output(request)
         out.new_token_ids = [request.output_token_ids[-1]]
         if logprobs is not None:
-            out.new_logprobs = [
-                TokenLogprobsMsg(
-                    logprobs.token_logprob,
-                    logprobs.token_rank,
-                    logprobs.top_ids,
-                    logprobs.top_logprobs,
-                )
-            ]
+            out.new_logprobs = [_logprobs_msg(logprobs)]
+        if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
+            out.prompt_logprobs = [_logprobs_msg(lp) for lp in request.prompt_logprobs]
+            request.prompt_logprobs_sent = True
         return out
 
     def _finished_output(self, request: Request) -> EngineCoreOutput:
@@ -357,6 +367,12 @@ class EngineCore:
                 f"scheduler: {sched.num_waiting} waiting requests but none can be admitted "
                 f"with {sched.kv.num_free_blocks} free blocks"
             )
+
+
+def _logprobs_msg(logprobs: TokenLogprobs) -> TokenLogprobsMsg:
+    return TokenLogprobsMsg(
+        logprobs.token_logprob, logprobs.token_rank, logprobs.top_ids, logprobs.top_logprobs
+    )
 
 
 def _check_kv_capacity(num_blocks: int, config: EngineConfig) -> None:

@@ -13,6 +13,7 @@ behind them, in order. No step runs while a chunk is received: the round is open
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import queue
@@ -51,6 +52,8 @@ class InputKind(enum.IntEnum):
 # Run on the worker thread: they block on the trainer, not on the engine.
 BACKGROUND_CALLS = frozenset({"init_weight_transfer_engine", "update_weights"})
 # Wait (in arrival order) while a background call runs: they use the weights or the channel.
+# While an init waits for the trainer's group (a rendezvous, possibly with a wrong address),
+# they are refused at once instead (409), except an abort, which cancels the init.
 WAIT_FOR_BACKGROUND = BACKGROUND_CALLS | {
     "start_weight_update",
     "prepare_weight_update",
@@ -88,6 +91,9 @@ class EngineCoreLoop:
         self.failed = False
         self.background_busy = False
         self.deferred: deque[UtilityCall] = deque()
+        # The init running in the background (None if none), and whether it was cancelled.
+        self.joining: UtilityCall | None = None
+        self.join_cancelled = False
 
     def run(self) -> None:
         try:
@@ -109,13 +115,12 @@ class EngineCoreLoop:
     # -- inputs ---------------------------------------------------------------------------
     def _process_inputs(self, block: bool) -> None:
         if block and self.core.weight_sync.round_open:
-            # Wake up now and then to abort a round whose trainer went away.
-            try:
+            # Wake up now and then to abort a round whose trainer went away (also when
+            # other inputs keep arriving: a busy front-end must not keep a dead round open).
+            with contextlib.suppress(queue.Empty):
                 self._handle(*self.inbox.get(timeout=ROUND_POLL_S))
-            except queue.Empty:
-                if not self.background_busy:
-                    self.core.weight_sync.expire(self.core.round_timeout_s)
-                return
+            if not self.background_busy:
+                self.core.weight_sync.expire(self.core.round_timeout_s)
         elif block:
             self._handle(*self.inbox.get())
         while self.running:
@@ -147,10 +152,40 @@ class EngineCoreLoop:
 
     # -- control calls ----------------------------------------------------------------------
     def _call(self, call: UtilityCall) -> None:
-        if call.method in WAIT_FOR_BACKGROUND and (self.background_busy or self.deferred):
+        if call.method in WAIT_FOR_BACKGROUND and self.joining is not None:
+            self._call_while_joining(call)
+        elif call.method in WAIT_FOR_BACKGROUND and (self.background_busy or self.deferred):
             self.deferred.append(call)
         else:
             self._dispatch(call)
+
+    def _call_while_joining(self, call: UtilityCall) -> None:
+        """An init may wait for the trainer's group up to its timeout: never queue behind
+        it. An abort cancels it (the init is answered at once; a group it still forms is
+        left when it returns); the world size is answered; every other weight call is
+        refused (409)."""
+        assert self.joining is not None
+        if call.method == "get_world_size":  # the workers behind this core: known already
+            self._dispatch(call)
+            return
+        if call.method == "finish_weight_update" and len(call.args) > 1 and call.args[1] is True:
+            if not self.join_cancelled:
+                self.join_cancelled = True
+                self.core.weight_sync.join_cancel.set()
+                error = EngineStateError(
+                    "init_weight_transfer_engine: cancelled by finish_weight_update(abort=True)"
+                )
+                self._answer(self.joining.call_id, error=error)
+            self._answer(call.call_id, {**self.core.get_weight_version(), "digest": None})
+            return
+        state = "is being cancelled" if self.join_cancelled else "is waiting for the trainer"
+        self._answer(
+            call.call_id,
+            error=EngineStateError(
+                f"{call.method}: init_weight_transfer_engine {state}; retry once it returns, "
+                f"or cancel it with finish_weight_update(abort=True)"
+            ),
+        )
 
     def _dispatch(self, call: UtilityCall) -> None:
         handler = getattr(self, f"_call_{call.method}", None)
@@ -158,6 +193,9 @@ class EngineCoreLoop:
             self._answer(call.call_id, error=ValueError(f"method: unknown {call.method!r}"))
         elif call.method in BACKGROUND_CALLS:
             self.background_busy = True
+            if call.method == "init_weight_transfer_engine":
+                self.joining, self.join_cancelled = call, False
+                self.core.weight_sync.join_cancel = threading.Event()
             threading.Thread(
                 target=self._run_in_background,
                 args=(handler, call),
@@ -178,7 +216,13 @@ class EngineCoreLoop:
 
     def _background_done(self, call: UtilityCall, result: object, error: Exception | None) -> None:
         self.background_busy = False
-        self._answer(call.call_id, result, error)
+        cancelled = call is self.joining and self.join_cancelled
+        if call is self.joining:
+            self.joining = None
+        if not cancelled:
+            self._answer(call.call_id, result, error)
+        elif error is None:  # answered when cancelled; a group it formed anyway is left
+            self.core.weight_sync.drop_transfer()
         while self.deferred and not self.background_busy:
             self._dispatch(self.deferred.popleft())
 
@@ -218,9 +262,11 @@ class EngineCoreLoop:
     def _call_prepare_weight_update(self, call: UtilityCall) -> int:
         return self.core.weight_sync.prepare()
 
-    def _call_finish_weight_update(self, call: UtilityCall, label: str | None, abort: bool) -> dict:
+    def _call_finish_weight_update(
+        self, call: UtilityCall, label: str | None, abort: bool, digest: bool = False
+    ) -> dict:
         self.outputs.extend(self.core.finish_weight_update(label, abort))
-        return self.core.get_weight_version()
+        return self.core.committed_weights(digest and not abort)
 
     def _call_get_world_size(self, call: UtilityCall) -> int:
         transfer = self.core.weight_sync.transfer

@@ -166,7 +166,8 @@ def _merge(method: str, results: list[UtilityResult]) -> UtilityResult:
         return UtilityResult(first.call_id, result=any(values))
     if method == "get_stats":
         return UtilityResult(first.call_id, result=_merge_stats(values))
-    if method == "get_weight_info" and len({v.get("digest") for v in values}) > 1:
+    digested = method in ("get_weight_info", "finish_weight_update")
+    if digested and len({v.get("digest") for v in values}) > 1:
         # Ranks must hold the same weights; say so rather than report rank 0's digest.
         info = {**values[0], "digest": None, "rank_digests": [v.get("digest") for v in values]}
         return UtilityResult(first.call_id, result=info)

@@ -17,13 +17,22 @@ from collections.abc import Sequence
 from hotswap.engine.request import Request
 
 
-def root_hash(weight_version: int) -> bytes:
-    """Chains start from the weight version: KV computed with other weights never matches."""
-    return b"hotswap-kv-v%d" % weight_version
+def root_hash(weight_version: int, cache_salt: str | None = None) -> bytes:
+    """Chains start from the weight version and the request's salt: KV computed with other
+    weights, or under another salt, never matches."""
+    root = b"hotswap-kv-v%d" % weight_version
+    if cache_salt is not None:
+        root += b"|salt|" + hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()
+    return root
 
 
-def hash_block(parent: bytes | None, token_ids: Sequence[int], weight_version: int = 0) -> bytes:
-    digest = hashlib.blake2b(parent or root_hash(weight_version), digest_size=16)
+def hash_block(
+    parent: bytes | None,
+    token_ids: Sequence[int],
+    weight_version: int = 0,
+    cache_salt: str | None = None,
+) -> bytes:
+    digest = hashlib.blake2b(parent or root_hash(weight_version, cache_salt), digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
@@ -126,8 +135,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest cached prefix of the request's known tokens, in whole blocks. At least
-        one token is always left to compute so the step yields logits to sample from."""
-        if not self.enable_caching:
+        one token is always left to compute so the step yields logits to sample from.
+        A request that still needs prompt logprobs computes its whole prompt."""
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -203,7 +213,7 @@ class KVCacheManager:
             start = len(hashes) * size
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[start : start + size]
-            hashes.append(hash_block(parent, tokens, self.weight_version))
+            hashes.append(hash_block(parent, tokens, self.weight_version, request.cache_salt))
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Blocks whose tokens will all be computed after this step can be shared now: the

@@ -14,7 +14,7 @@ from hotswap.config import EngineArgs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine.output_processor import OutputProcessor
-from hotswap.engine.prompts import Prompt, encode_prompt
+from hotswap.engine.prompts import Prompt, encode_prompt, prompt_cache_salt
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -53,11 +53,12 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         requests = [encode_prompt(self.tokenizer, p) for p in prompt_list]
+        salts = [prompt_cache_salt(p) for p in prompt_list]
         for (_, ids), params in zip(requests, params_list):  # refuse bad input before adding any
             self.engine.validate_request(EngineCoreRequest("validate", ids, params))
         order = []
-        for (text, ids), params in zip(requests, params_list):
-            order.append(self._add(text, ids, params))
+        for (text, ids), params, salt in zip(requests, params_list, salts):
+            order.append(self._add(text, ids, params, salt))
         return self._run(order, use_tqdm)
 
     def chat(
@@ -99,10 +100,11 @@ class LLM:
         return self.engine.weight_sync.prepare()
 
     def finish_weight_update(
-        self, weight_version: str | None = None, abort: bool = False
+        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
     ) -> dict[str, Any]:
+        """Commit the round (see AsyncLLM); returns {version, label, digest}."""
         self.engine.finish_weight_update(weight_version, abort)
-        return self.engine.get_weight_version()
+        return self.engine.committed_weights(digest and not abort)
 
     def update_weight_version(self, label: str) -> dict[str, Any]:
         self.engine.update_weight_version(label)
@@ -117,13 +119,19 @@ class LLM:
         return {**self.engine.get_weight_version(), "digest": self.engine.weights_digest()}
 
     # -- internals ------------------------------------------------------------------------
-    def _add(self, text: str | None, ids: list[int], params: SamplingParams) -> str:
+    def _add(
+        self, text: str | None, ids: list[int], params: SamplingParams, salt: str | None
+    ) -> str:
         request_id = str(next(self._ids))
         params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         for child_id, child_params in self.processor.add_request(request_id, text, ids, params):
             self.engine.add_request(
                 EngineCoreRequest(
-                    child_id, ids, child_params, eos_token_id=self.tokenizer.eos_token_id
+                    child_id,
+                    ids,
+                    child_params,
+                    eos_token_id=self.tokenizer.eos_token_id,
+                    cache_salt=salt,
                 )
             )
         return request_id

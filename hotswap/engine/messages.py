@@ -17,6 +17,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float | None = None
+    cache_salt: str | None = None
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):
@@ -30,6 +31,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobsMsg] | None = None
+    # Entry j scores prompt token j + 1; sent once, with the request's first token.
+    prompt_logprobs: list[TokenLogprobsMsg] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0

@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 
 from hotswap.detokenizer import IncrementalDetokenizer
 from hotswap.engine.messages import EngineCoreOutput, TokenLogprobsMsg
-from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
+from hotswap.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestOutput,
+    WeightVersionSpan,
+)
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
 
@@ -46,6 +52,8 @@ class RequestState:
     params: SamplingParams
     choices: list[ChoiceState]
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -143,6 +151,8 @@ class OutputProcessor:
     def _apply(self, state: RequestState, choice: ChoiceState, out: EngineCoreOutput) -> bool:
         """Fold one engine output into a choice; True if a stop string just ended it."""
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids, out)
         choice.token_ids.extend(out.new_token_ids)
         choice.record_provenance(out)
         if out.new_logprobs and choice.logprobs is not None:
@@ -159,6 +169,10 @@ class OutputProcessor:
         elif out.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
         return False
+
+    def _prompt_logprobs(self, prompt_ids: list[int], out: EngineCoreOutput) -> PromptLogprobs:
+        scored = out.prompt_logprobs or []
+        return [None, *(self._logprob_dict(t, lp) for t, lp in zip(prompt_ids[1:], scored))]
 
     def _logprob_dict(self, token: int, lp: TokenLogprobsMsg) -> dict[int, Logprob]:
         entries = {
@@ -177,8 +191,17 @@ class OutputProcessor:
         kind = state.params.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not state.finished:
             return None
+        # The first choice scores the prompt; others may start sooner (they can use the
+        # prefix cache). Hold every output until the scores are there to go first.
+        scores_pending = state.params.prompt_logprobs is not None and state.prompt_logprobs is None
+        if scores_pending and not state.finished:
+            return None
         delta = kind == RequestOutputKind.DELTA
         completions = [self._completion(c, delta) for c in state.choices]
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -186,6 +209,7 @@ class OutputProcessor:
             outputs=completions,
             finished=state.finished,
             num_cached_tokens=state.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

@@ -6,8 +6,18 @@ from typing import Any
 
 from hotswap.tokenizer import Tokenizer
 
-# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}.
+# A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}, either dict
+# optionally with vLLM's "cache_salt".
 Prompt = str | list[int] | dict[str, Any]
+
+
+def prompt_cache_salt(prompt: Prompt) -> str | None:
+    """vLLM's per-request prefix-cache salt: requests share cached KV only with requests
+    of the same salt (None shares with other unsalted requests)."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:

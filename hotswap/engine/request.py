@@ -46,8 +46,10 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt  # prefix-cache blocks are shared only within one salt
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -68,6 +70,17 @@ class Request:
         self.kv_version = 0
         self.generator = _make_generator(sampling_params.seed)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        # Entry j scores prompt token j + 1 (the runner's TokenLogprobs); sent once, with
+        # the first output token.
+        self.prompt_logprobs: list = []
+        self.prompt_logprobs_sent = False
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt tokens still to be scored: their positions must be computed, not taken
+        from the prefix cache."""
+        wanted = self.sampling_params.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

@@ -51,8 +51,14 @@ class SleepState:
 
     def wake_order(self, tags: list[str] | None) -> list[str]:
         """The asleep tags to wake, weights and KV before scheduling. Waking scheduling
-        while weights or KV stay asleep is refused before anything changes."""
+        while weights or KV stay asleep is refused before anything changes; the call that
+        leaves neither asleep wakes scheduling too."""
         wanted = set(self.asleep if tags is None else tags) & self.asleep
+        memory = {WEIGHTS, KV_CACHE}
+        if wanted & memory and not (self.asleep - wanted) & memory:
+            # vLLM has no scheduling tag: its clients (OpenRLHF, verl) wake weights and KV,
+            # often one per call, and then expect generation. Memory back means running.
+            wanted |= self.asleep & {SCHEDULING}
         if SCHEDULING in wanted and (self.asleep - wanted) & {WEIGHTS, KV_CACHE}:
             still = sorted((self.asleep - wanted) & {WEIGHTS, KV_CACHE})
             raise EngineStateError(

@@ -10,10 +10,13 @@ validation) marks the weights incomplete, and no step runs until a complete roun
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +37,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Round:
     is_checkpoint_format: bool
-    started: float = field(default_factory=time.monotonic)
+    # When a call last touched the round: a round idle past the round timeout is aborted.
+    last_call: float = field(default_factory=time.monotonic)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     deltas: list[tuple[str, Delta]] = field(default_factory=list)  # applied after `staged`
 
@@ -47,11 +51,20 @@ class WeightApplyError(RuntimeError):
 
 class WeightSync:
     def __init__(
-        self, model: nn.Module, config: WeightTransferConfig | None, device: torch.device
+        self,
+        model: nn.Module,
+        config: WeightTransferConfig | None,
+        device: torch.device,
+        allowed_weight_dirs: tuple[Path, ...] | None = None,
     ) -> None:
         self.model, self.config, self.device = model, config, device
+        # Where disk rounds may read (real paths; None: anywhere): see EngineArgs.
+        self.allowed_weight_dirs = allowed_weight_dirs
         self.transfer: WeightTransferEngine | None = None
         self.round: Round | None = None
+        # Set to cancel an `init` waiting for the trainer's group (the loop replaces it
+        # before each init, so a cancel can never reach the wrong one).
+        self.join_cancel = threading.Event()
         # Last round's receive buffers, reused by name: one extra copy of what was sent,
         # held between rounds, so a round copies into warm memory (no page faults).
         self._pool: dict[str, torch.Tensor] = {}
@@ -76,7 +89,8 @@ class WeightSync:
             raise EngineStateError("init_weight_transfer_engine: a round is open; finish it")
         if not isinstance(init_info, dict):
             raise ValueError("init_info: must be a JSON object")
-        engine = create_transfer_engine(config, self.device)
+        engine = self._confined(create_transfer_engine(config, self.device))
+        engine.cancel = self.join_cancel
         if config.reuse_receive_buffers:
             engine.allocate = self._pooled
         engine.init_transfer_engine(init_info)
@@ -108,6 +122,7 @@ class WeightSync:
             raise EngineStateError("update_weights: no round is open; call start_weight_update")
         if not isinstance(update_info, dict):
             raise ValueError("update_info: must be a JSON object")
+        self.round.last_call = time.monotonic()
         try:
             metas = self.transfer.parse_update_info(update_info)
         except ValueError:
@@ -120,13 +135,16 @@ class WeightSync:
         problems = [p for m in metas if (p := self._check(m)) is not None]
         if problems:  # drained into scratch memory: never over a buffer staged earlier
             self.transfer.allocate = _fresh(self.device)
-        received = self.transfer.receive_weights(update_info, metas)
         try:
             if problems:
-                _drain(received)  # keep the channel in step with the sender
+                # Keep the channel in step with the sender; what the sender claimed (a
+                # shape, a name) is the error to report, not what draining it ran into.
+                with contextlib.suppress(ValueError):
+                    _drain(self.transfer.receive_weights(update_info, metas))
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 raise ValueError(problems[0] + more)
-            for name, item in received:  # as the checked metas describe (backend contract)
+            # Items are as the checked metas describe (the backend contract).
+            for name, item in self.transfer.receive_weights(update_info, metas):
                 if isinstance(item, Delta):
                     self.round.deltas.append((name, item))
                 else:
@@ -138,6 +156,8 @@ class WeightSync:
         finally:
             if self.transfer is not None and self.config and self.config.reuse_receive_buffers:
                 self.transfer.allocate = self._pooled
+            if self.round is not None:  # idle time counts from the end of the receive
+                self.round.last_call = time.monotonic()
         return len(metas)
 
     def prepare(self) -> int:
@@ -148,7 +168,7 @@ class WeightSync:
         if self.config is not None and self.config.require_complete:
             self._check_complete(self.round)
         # The commit follows: the round must not expire between the two phases.
-        self.round.started = time.monotonic()
+        self.round.last_call = time.monotonic()
         return len(self.round.staged) + len(self.round.deltas)
 
     def finish(self, abort: bool = False) -> dict[str, torch.Tensor] | None:
@@ -175,7 +195,7 @@ class WeightSync:
 
         if self.round_open:
             raise EngineStateError("update_weights_from_disk: a round is open; finish it first")
-        configured, self.transfer = self.transfer, DiskEngine(self.device)
+        configured, self.transfer = self.transfer, self._confined(DiskEngine(self.device))
         self.round = Round(is_checkpoint_format=True)
         try:
             self.update({"model_path": model_dir})
@@ -185,16 +205,31 @@ class WeightSync:
         finally:
             self.round, self.transfer = None, configured
 
+    def _confined(self, engine: WeightTransferEngine) -> WeightTransferEngine:
+        """`engine`, reading from disk only inside the allowed weight directories."""
+        from hotswap.weight_transfer.disk import DiskEngine
+
+        if isinstance(engine, DiskEngine):
+            engine.allowed_dirs = self.allowed_weight_dirs
+        return engine
+
     def expire(self, timeout_s: float) -> bool:
-        """Abort a round left open longer than `timeout_s` (a trainer that died between
-        calls); True if one was aborted."""
-        if self.round is None or time.monotonic() - self.round.started < timeout_s:
+        """Abort a round no call has touched for `timeout_s` (a trainer that died or hangs
+        between calls); True if one was aborted. The caller never runs this while a call
+        is in progress, so a long receive does not count as idle."""
+        if self.round is None or time.monotonic() - self.round.last_call < timeout_s:
             return False
-        logger.warning("weight update round open for over %.0f s: aborted", timeout_s)
+        logger.warning("weight update round idle for over %g s: aborted", timeout_s)
         self.round = None
         if self.transfer is not None:
             self.transfer.finish_weight_update()
         return True
+
+    def drop_transfer(self) -> None:
+        """Leave the channel (a cancelled init that completed anyway)."""
+        if self.transfer is not None:
+            self.transfer.shutdown()
+            self.transfer = None
 
     def release_buffers(self) -> None:
         """Drop the pooled receive buffers (sleep frees memory; the next round

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -20,12 +18,12 @@ from fastapi import APIRouter, FastAPI, Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.errors import error_response, install_error_handlers
+from hotswap.entrypoints.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, HTTPGuard
 from hotswap.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key
 
 
 @dataclass(frozen=True)
@@ -37,6 +35,11 @@ class ServerConfig:
     enable_control: bool = False
     enable_prompt_tokens_details: bool = False
     log_level: str = "info"
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # vLLM's flag: a chat template sent in a request is code the server runs.
+    trust_request_chat_template: bool = False
+    # vLLM's --return-tokens-as-token-ids: logprob tokens as "token_id:N" on every request
+    return_tokens_as_token_ids: bool = False
 
 
 def get_engine(request: Request) -> AsyncLLM:
@@ -80,8 +83,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.server_config = config
     app.state.metrics = ServerMetrics(config.served_model_name)
     install_error_handlers(app)
-    if config.api_key:
-        app.middleware("http")(_api_key_guard(config.api_key))
+    app.add_middleware(
+        HTTPGuard, max_body_bytes=config.max_request_body_bytes, api_key=config.api_key
+    )
     app.include_router(basic_router)
     app.include_router(openai_router)
     if config.enable_control:
@@ -89,22 +93,6 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         app.include_router(sglang_router)
         app.include_router(weights_router)
     return app
-
-
-def _api_key_guard(
-    api_key: str,
-) -> Callable[[Request, Callable[[Request], Awaitable[Response]]], Awaitable[Response]]:
-    expected = f"Bearer {api_key}".encode()
-
-    async def guard(request: Request, call_next: Callable) -> Response:
-        if request.url.path in OPEN_PATHS:
-            return await call_next(request)
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return error_response(401, "Unauthorized: missing or wrong API key (Bearer token)")
-        return await call_next(request)
-
-    return guard
 
 
 class _Server(uvicorn.Server):

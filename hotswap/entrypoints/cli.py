@@ -79,6 +79,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='weight transfer backend, e.g. \'{"backend": "gloo"}\' (gloo, nccl, ipc, disk)',
     )
     group.add_argument(
+        "--logprobs-mode",
+        default="raw_logprobs",
+        choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],
+        help="what logprobs report; processed_logprobs: the distribution tokens are drawn "
+        "from (after penalties, temperature, top-k/top-p/min-p), as RL trainers need",
+    )
+    group.add_argument(
+        "--lm-head-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="dtype of the final norm and LM head (default: --dtype); float32 with a "
+        "bf16 body brings logprobs close to an fp32 trainer's",
+    )
+    group.add_argument(
+        "--allowed-weight-dirs",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="directories disk reloads (/update_weights_from_disk, the disk backend) may "
+        "read from, symlinks resolved (default: the model directory's parent)",
+    )
+    group.add_argument(
         "--enable-sleep-mode",
         action="store_true",
         help="allow /sleep: offload or drop weights and free the KV cache",
@@ -117,7 +139,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     group = serve.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1")
     group.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    group.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (or set $HOTSWAP_API_KEY / $VLLM_API_KEY, "
+        "or --api-key-file: a command line is visible to every local user)",
+    )
+    group.add_argument(
+        "--api-key-file", default=None, metavar="PATH", help="read the API key from a file"
+    )
     group.add_argument("--served-model-name", default=None)
     group.add_argument(
         "--enable-control",
@@ -130,7 +160,37 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="report usage.prompt_tokens_details.cached_tokens",
     )
     group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help='logprob tokens as "token_id:N" strings on every request (vLLM\'s flag)',
+    )
+    group.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    add_limit_args(group)
+
+
+def add_limit_args(group: argparse._ArgumentGroup) -> None:
+    from hotswap.entrypoints.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="larger request bodies are refused 413 before they are read",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template in requests (code the server runs); refused otherwise",
+    )
+    group.add_argument(
+        "--allowed-master-addresses",
+        nargs="+",
+        default=None,
+        metavar="ADDR",
+        help="master addresses (names, addresses or networks) a weight-transfer init may "
+        "name; default any (same as allowed_master_addresses in --weight-transfer-config)",
     )
 
 
@@ -149,12 +209,55 @@ def run_serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name or model or DEFAULT_MODEL_NAME,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=api_key(args),
         enable_control=args.enable_control or dev_mode,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         log_level=args.log_level,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        max_request_body_bytes=args.max_request_body_bytes,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
-    run_server(config, model, engine_kwargs(args))
+    if args.max_request_body_bytes < 1:
+        raise ValueError("--max-request-body-bytes: must be at least 1")
+    kwargs = engine_kwargs(args)
+    if args.allowed_master_addresses:
+        kwargs["weight_transfer_config"] = with_allowed_masters(
+            kwargs.get("weight_transfer_config"), args.allowed_master_addresses
+        )
+    run_server(config, model, kwargs)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file, else $HOTSWAP_API_KEY, else $VLLM_API_KEY."""
+    import os
+    from pathlib import Path
+
+    if args.api_key and args.api_key_file:
+        raise ValueError("--api-key and --api-key-file: give one of them")
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file} ({e})") from None
+        if not key:
+            raise ValueError(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get("HOTSWAP_API_KEY") or os.environ.get("VLLM_API_KEY")
+
+
+def with_allowed_masters(config: str | None, addresses: list[str]) -> str:
+    """--weight-transfer-config JSON with `allowed_master_addresses` set."""
+    import json
+
+    if config is None:
+        raise ValueError("--allowed-master-addresses: needs --weight-transfer-config")
+    try:
+        parsed = json.loads(config)
+    except ValueError as e:
+        raise ValueError(f"weight_transfer_config: not valid JSON ({e})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("weight_transfer_config: must be a JSON object")
+    return json.dumps({**parsed, "allowed_master_addresses": addresses})
 
 
 def run_generate(args: argparse.Namespace) -> None:

@@ -12,12 +12,13 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, StrictStr
+from pydantic import ConfigDict, StrictStr
 
 from hotswap.engine.core import PAUSE_MODES
 from hotswap.engine.sleep import SLEEP_LEVELS, SLEEP_TAGS
 from hotswap.entrypoints.api_server import get_engine, get_metrics
 from hotswap.entrypoints.errors import bad_request
+from hotswap.entrypoints.limits import CheckedModel, check_json
 
 control_router = APIRouter()
 sglang_router = APIRouter()
@@ -42,7 +43,8 @@ async def _resume(request: Request) -> None:
 
 
 async def json_object(request: Request, allow_list: bool = False) -> Any:
-    """An optional JSON object body (or list, if allowed): empty means {}."""
+    """An optional JSON object body (or list, if allowed): empty means {}. Strings are
+    valid Unicode and nesting is bounded (see limits.json_problem)."""
     raw = await request.body()
     if not raw.strip():
         return {}
@@ -50,8 +52,11 @@ async def json_object(request: Request, allow_list: bool = False) -> Any:
         body = json.loads(raw)
     except ValueError:
         raise bad_request("Invalid JSON format", "body") from None
+    except RecursionError:
+        raise bad_request("body: JSON nested too deeply", "body") from None
     if not isinstance(body, dict) and not (allow_list and isinstance(body, list)):
         raise bad_request("body: must be a JSON object", "body")
+    check_json(body)
     return body
 
 
@@ -93,7 +98,7 @@ async def reset_prefix_cache(request: Request, reset_running_requests: bool = Fa
 
 
 # -- weight versions --------------------------------------------------------------------------
-class WeightVersionBody(BaseModel):
+class WeightVersionBody(CheckedModel):
     model_config = ConfigDict(extra="forbid")
     new_version: StrictStr
 
@@ -158,7 +163,7 @@ SGLANG_PAUSE_MODES = {
 @sglang_router.post("/pause_generation")
 async def pause_generation(request: Request) -> dict:
     mode = (await json_object(request)).get("mode", "abort")
-    if mode not in SGLANG_PAUSE_MODES:
+    if not isinstance(mode, str) or mode not in SGLANG_PAUSE_MODES:
         raise bad_request(
             f"mode: must be one of {', '.join(SGLANG_PAUSE_MODES)}, got {mode!r}", "body.mode"
         )
@@ -178,7 +183,7 @@ async def flush_cache(request: Request) -> dict:
     return {"success": True}
 
 
-class DiskWeightsBody(BaseModel):
+class DiskWeightsBody(CheckedModel):
     model_path: StrictStr
     weight_version: StrictStr | None = None
     load_format: StrictStr | None = None
@@ -199,7 +204,7 @@ async def update_weights_from_disk(request: Request, body: DiskWeightsBody) -> d
     }
 
 
-class MemoryTagsBody(BaseModel):
+class MemoryTagsBody(CheckedModel):
     tags: list[StrictStr] | None = None
 
 

@@ -66,8 +66,16 @@ async def finish_weight_update(request: Request) -> dict:
     abort = body.get("abort", False)
     if not isinstance(abort, bool):
         raise bad_request("abort: must be a boolean", "body.abort")
-    await get_engine(request).finish_weight_update(version, abort)
-    return {"message": "Weight update aborted" if abort else "Weight update finished"}
+    digest = body.get("digest", False)  # hotswap extension: also hash the committed weights
+    if not isinstance(digest, bool):
+        raise bad_request("digest: must be a boolean", "body.digest")
+    info = await get_engine(request).finish_weight_update(version, abort, digest)
+    if abort:
+        return {"message": "Weight update aborted"}
+    # What this call committed, in /weight_info's shape (a later /weight_info may already
+    # name another commit).
+    return {"message": "Weight update finished", "weight_version": info["label"],
+            "version": info["version"], "digest": info["digest"]}  # fmt: skip
 
 
 @weights_router.get("/get_world_size")

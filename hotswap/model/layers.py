@@ -47,7 +47,8 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Normalises in float32 and scales in the model dtype, exactly as HF Llama/Qwen do."""
+    """Normalises in float32 and scales in the weight's dtype (the model dtype: exactly as
+    HF Llama/Qwen do)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -55,10 +56,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # Rounded to the weight's dtype: the input's everywhere but a float32 final norm
+        # ahead of a float32 LM head, whose input then stays unrounded.
+        return self.weight * x32.to(self.weight.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

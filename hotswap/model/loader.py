@@ -27,7 +27,9 @@ def build_model(
     tensors are read on the host and copied in."""
     model_cls = get_model_class(config.architecture)
     with torch.device(device):
-        model = model_cls(config.hf_config, config.dtype, backend, batch_invariant)
+        model = model_cls(
+            config.hf_config, config.dtype, backend, batch_invariant, config.head_dtype
+        )
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hotswap.config import EngineConfig
+from hotswap.engine.request import Request
 from hotswap.engine.scheduler import ScheduledRequest, SchedulerOutput
 from hotswap.model.attention import (
     AttentionBackend,
@@ -17,13 +18,29 @@ from hotswap.model.attention import (
 )
 from hotswap.model.loader import build_model
 from hotswap.model.residency import WeightResidency
-from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs
+from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs, top_logprobs
+
+# Prompt-logprob rows go through the LM head this many at a time (a row of fp32 logits is
+# vocab * 4 bytes: 200 KB for a 49k vocabulary).
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> logprobs of the prompt tokens scored this step, in prompt order
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class PromptLogprobRows:
+    """The rows of a step that score prompt tokens: row i predicts `targets[i]`."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    ks: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -32,6 +49,7 @@ class StepInputs:
     positions: torch.Tensor
     logits_rows: torch.Tensor
     meta: object
+    prompt_rows: PromptLogprobRows
 
 
 class ModelRunner:
@@ -52,7 +70,7 @@ class ModelRunner:
         # would make ranks sample identical "random" completions). The CPU generator keeps
         # 32 bits of a seed, so ranks are spread within them; rank 0 keeps the seed as is.
         rank_seed = (config.model.seed + 0x9E3779B1 * config.data_parallel_rank) % 2**32
-        self.sampler = Sampler(rank_seed)
+        self.sampler = Sampler(rank_seed, config.logprobs_mode)
         self.residency = WeightResidency(self.model)
 
     # -- KV cache -------------------------------------------------------------------------
@@ -120,17 +138,34 @@ class ModelRunner:
         items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, s.start))
         inputs = self._prepare(items)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        out = RunnerOutput()
+        if inputs.prompt_rows.rows:
+            self._score_prompts(hidden, inputs.prompt_rows, out)
         sampling = [s.request for s in items if s.samples]
         if not sampling:
-            return RunnerOutput()
+            return out
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
         result = self.sampler(logits, SamplingBatch.from_requests(sampling, self.device))
-        out = RunnerOutput()
         for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
             out.sampled[request.request_id] = token
             if logprobs is not None:
                 out.logprobs[request.request_id] = logprobs
         return out
+
+    def _score_prompts(
+        self, hidden: torch.Tensor, plan: PromptLogprobRows, out: RunnerOutput
+    ) -> None:
+        """Raw log-softmax of the rows that predict prompt tokens (vLLM's prompt logprobs),
+        through the LM head in chunks; a separate pass, so sampled rows are unaffected."""
+        step = PROMPT_LOGPROBS_CHUNK
+        for start in range(0, len(plan.rows), step):
+            rows = torch.tensor(plan.rows[start : start + step], device=self.device)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]), dim=-1)
+            found = top_logprobs(
+                logprobs, plan.targets[start : start + step], plan.ks[start : start + step]
+            )
+            for request_id, entry in zip(plan.request_ids[start : start + step], found):
+                out.prompt_logprobs.setdefault(request_id, []).append(entry)
 
     def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
         size = self.block_size
@@ -139,8 +174,11 @@ class ModelRunner:
         slots: list[int] = []
         logits_rows: list[int] = []
         query_lens, context_lens, tables = [], [], []
+        prompt_rows = PromptLogprobRows()
         for item in items:
             request, start, end = item.request, item.start, item.start + item.num_tokens
+            if request.needs_prompt_logprobs:
+                _plan_prompt_rows(prompt_rows, request, start, end, len(input_ids))
             input_ids.extend(request.all_token_ids[start:end])
             positions.extend(range(start, end))
             blocks = request.block_ids
@@ -160,4 +198,20 @@ class ModelRunner:
             positions=ids(positions),
             logits_rows=ids(logits_rows),
             meta=build_metadata(query_lens, context_lens, tables, ids(slots), size, dtype),
+            prompt_rows=prompt_rows,
         )
+
+
+def _plan_prompt_rows(
+    plan: PromptLogprobRows, request: Request, start: int, end: int, first_row: int
+) -> None:
+    """Rows of this chunk whose positions predict a prompt token not scored yet (a chunk
+    recomputed after preemption skips those already scored)."""
+    first = max(start, len(request.prompt_logprobs))
+    last = min(end, request.num_prompt_tokens - 1)
+    k = request.sampling_params.prompt_logprobs or 0
+    for position in range(first, last):
+        plan.rows.append(first_row + position - start)
+        plan.targets.append(request.all_token_ids[position + 1])
+        plan.ks.append(k)
+        plan.request_ids.append(request.request_id)

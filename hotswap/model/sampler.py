@@ -1,8 +1,17 @@
 """Turns the logits of the rows that sample this step into tokens (and logprobs).
 
+The pipeline is vLLM's: raw logits -> min_tokens suppression and penalties -> (greedy:
+argmax) temperature -> min-p -> top-k -> top-p -> draw. `logprobs_mode` says which of
+those distributions logprobs report: `raw_*` the model's own (before any processing),
+`processed_*` the one the token was actually drawn from (masked tokens are -inf), which is
+what an RL trainer's importance ratio needs. Greedy rows report the processed logits at
+temperature 1, as vLLM does.
+
 Random sampling uses the exponential-race form of categorical sampling (argmax of p / q,
 q ~ Exp(1)), so each seeded request draws its noise from its own generator: its samples
-depend only on its own logits and seed, never on the rest of the batch.
+depend only on its own logits and seed, never on the rest of the batch. The race runs on
+exp(processed logprobs), so a reported processed logprob is exactly the log of the
+probability the token was drawn with.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hotswap.config import check_logprobs_mode
 from hotswap.engine.request import Request
 
 
@@ -37,6 +47,7 @@ class SamplingBatch:
     top_p: torch.Tensor  # [R]
     min_p: torch.Tensor  # [R]
     suppressed: list[tuple[int, list[int]]]  # (row, token ids) banned by min_tokens
+    penalized: list[int]  # rows with a repetition, presence or frequency penalty
 
     @classmethod
     def from_requests(
@@ -52,6 +63,7 @@ class SamplingBatch:
             top_p=torch.tensor([p.top_p for p in params], device=device),
             min_p=torch.tensor([p.min_p for p in params], device=device),
             suppressed=[(row, ids) for row, r in enumerate(requests) if (ids := _banned_tokens(r))],
+            penalized=[row for row, p in enumerate(params) if p.has_penalties],
         )
 
 
@@ -66,28 +78,40 @@ def _banned_tokens(request: Request) -> list[int]:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, logprobs_mode: str = "raw_logprobs") -> None:
         self.generator = torch.Generator().manual_seed(seed)
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        for row, ids in batch.suppressed:
-            logits[row, ids] = float("-inf")
+        wanted = [i for i, r in enumerate(batch.requests) if r.sampling_params.logprobs is not None]
+        raw = self.logprobs_mode.startswith("raw")
+        reported = _as_mode(logits[wanted], self.logprobs_mode) if wanted and raw else None
+        logits = process_logits(logits, batch)
         tokens = logits.max(dim=-1).indices  # same first-max tie rule as argmax, ~2x faster
+        if wanted and not raw:  # greedy rows report the processed logits at temperature 1
+            reported = _as_mode(logits[wanted], self.logprobs_mode)
         if not bool(batch.greedy.all()):
-            random_rows = (~batch.greedy).nonzero().flatten()
-            sampled = self._sample(logits[random_rows], batch, random_rows.tolist())
-            tokens[random_rows] = sampled
+            random_rows = (~batch.greedy).nonzero().flatten().tolist()
+            drawn, distribution = self._sample(logits[random_rows], batch, random_rows)
+            tokens[random_rows] = drawn
+            if reported is not None and not raw:
+                _report_random_rows(reported, distribution, wanted, random_rows)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logits, token_list, batch.requests))
+        return SamplerOutput(token_list, _gather_logprobs(reported, token_list, wanted, batch))
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drawn tokens, and the distribution they were drawn from in the form the
+        logprobs mode reports (processed logprobs: the very values the race used)."""
         logits = logits / batch.temperature[rows]
+        logits = _apply_min_p(logits, batch.min_p[rows])
         logits = _apply_top_k(logits, [batch.top_k[r] for r in rows])
         logits = _apply_top_p(logits, batch.top_p[rows])
-        probs = torch.softmax(logits, dim=-1)
-        probs = _apply_min_p(probs, batch.min_p[rows])
-        noise = self._exponential_noise(probs.shape, [batch.requests[r].generator for r in rows])
-        return (probs / noise.to(probs.device)).max(dim=-1).indices
+        logprobs = torch.log_softmax(logits, dim=-1)
+        noise = self._exponential_noise(logits.shape, [batch.requests[r].generator for r in rows])
+        drawn = (logprobs.exp() / noise.to(logits.device)).max(dim=-1).indices
+        return drawn, logits if self.logprobs_mode == "processed_logits" else logprobs
 
     def _exponential_noise(self, shape: torch.Size, generators: list) -> torch.Tensor:  # noqa: ANN001
         """Drawn on the host (where the per-request generators live), so a seed samples
@@ -98,28 +122,97 @@ class Sampler:
                 noise[row].exponential_(generator=generator)
         return noise
 
-    @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, tokens: list[int], requests: list[Request]
-    ) -> list[TokenLogprobs | None]:
-        wanted = [r.sampling_params.logprobs for r in requests]
-        if all(k is None for k in wanted):
-            return [None] * len(requests)
-        rows = [i for i, k in enumerate(wanted) if k is not None]
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
-        results: list[TokenLogprobs | None] = [None] * len(requests)
-        for i, row in enumerate(rows):
-            lp = logprobs[i]
-            token_lp = lp[tokens[row]]
-            rank = int((lp > token_lp).sum()) + 1
-            top = lp.topk(wanted[row]) if wanted[row] else None
-            results[row] = TokenLogprobs(
-                token_logprob=float(token_lp),
-                token_rank=rank,
-                top_ids=top.indices.tolist() if top is not None else [],
-                top_logprobs=top.values.tolist() if top is not None else [],
-            )
+
+def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """min_tokens suppression and penalties, in place: what greedy rows take the argmax
+    of and random rows scale by their temperature."""
+    for row, ids in batch.suppressed:
+        logits[row, ids] = float("-inf")
+    for row in batch.penalized:
+        logits[row] = apply_penalties(logits[row], batch.requests[row])
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """vLLM's (and OpenAI's) definitions on one row: a token seen in the prompt or the
+    output has its logit divided by the repetition penalty if positive, else multiplied;
+    then the output's count of it times the frequency penalty and, if it occurs at all,
+    the presence penalty are subtracted."""
+    params = request.sampling_params
+    vocab, device = logits.shape[-1], logits.device
+    output = torch.tensor(request.output_token_ids, dtype=torch.long, device=device)
+    counts = torch.bincount(output, minlength=vocab)[:vocab].to(logits.dtype)
+    in_output = counts > 0
+    if params.repetition_penalty != 1.0:
+        seen = in_output.clone()
+        prompt = request.all_token_ids[: request.num_prompt_tokens]
+        seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        penalty = torch.where(seen, params.repetition_penalty, 1.0).to(logits.dtype)
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    if params.frequency_penalty:
+        logits = logits - params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits = logits - params.presence_penalty * in_output.to(logits.dtype)
+    return logits
+
+
+def _as_mode(logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """Logits in the form `mode` reports them (a new tensor either way)."""
+    return torch.log_softmax(logits, dim=-1) if mode.endswith("logprobs") else logits.clone()
+
+
+def _report_random_rows(
+    reported: torch.Tensor, distribution: torch.Tensor, wanted: list[int], random_rows: list[int]
+) -> None:
+    """Replace the reported rows of randomly sampled requests by the distribution they
+    were drawn from (rows of `distribution` follow `random_rows`)."""
+    position = {row: i for i, row in enumerate(wanted)}
+    pairs = [(position[row], i) for i, row in enumerate(random_rows) if row in position]
+    if pairs:
+        dest, src = (list(t) for t in zip(*pairs))
+        reported[dest] = distribution[src]
+
+
+def _gather_logprobs(
+    reported: torch.Tensor | None, tokens: list[int], wanted: list[int], batch: SamplingBatch
+) -> list[TokenLogprobs | None]:
+    results: list[TokenLogprobs | None] = [None] * len(tokens)
+    if reported is None:
         return results
+    ks = [batch.requests[row].sampling_params.logprobs or 0 for row in wanted]
+    found = top_logprobs(reported, [tokens[row] for row in wanted], ks)
+    for row, entry in zip(wanted, found):
+        results[row] = entry
+    return results
+
+
+def top_logprobs(values: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Per row of `values`: the value of `tokens[i]`, its rank (1 = highest) and the row's
+    top `ks[i]`, in one pass over the batch."""
+    index = torch.tensor(tokens, dtype=torch.long, device=values.device)[:, None]
+    token_values = values.gather(1, index)
+    ranks = ((values > token_values).sum(dim=-1) + 1).tolist()
+    k_max = max(ks, default=0)
+    top_ids: list[list[int]] = [[] for _ in tokens]
+    top_values: list[list[float]] = [[] for _ in tokens]
+    if k_max:
+        top = values.topk(k_max, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    return [
+        TokenLogprobs(value, rank, ids[:k], vals[:k])
+        for value, rank, ids, vals, k in zip(
+            token_values.flatten().tolist(), ranks, top_ids, top_values, ks
+        )
+    ]
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the most likely one's."""
+    if bool((min_p <= 0.0).all()):
+        return logits
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p[:, None].log()
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
@@ -138,15 +231,8 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     if bool((top_p >= 1.0).all()):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    probs = sorted_logits.softmax(dim=-1)
     # Drop a token when the tokens ranked above it already cover top_p.
-    drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p[:, None]
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
-
-
-def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    if bool((min_p <= 0.0).all()):
-        return probs
-    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-    return probs.masked_fill(probs < threshold, 0.0)

@@ -1,5 +1,5 @@
 """RL-side helpers: driving several rollout engines as one."""
 
-from hotswap.rl.engine_group import EngineGroup, EngineGroupError
+from hotswap.rl.engine_group import EngineGroup, EngineGroupError, GroupCommittedWeights
 
-__all__ = ["EngineGroup", "EngineGroupError"]
+__all__ = ["EngineGroup", "EngineGroupError", "GroupCommittedWeights"]

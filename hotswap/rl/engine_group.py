@@ -18,7 +18,12 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from hotswap.weight_transfer.clients import PreparingWeightSyncClient, WeightSyncError
+from hotswap.weight_transfer.clients import (
+    CommittedWeights,
+    GroupCommittedWeights,
+    PreparingWeightSyncClient,
+    WeightSyncError,
+)
 from hotswap.weight_transfer.engine import shift_rank_offset
 
 
@@ -86,11 +91,15 @@ class EngineGroup:
         if failed:
             raise EngineGroupError("update_weights", failed, self.names)
 
-    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
+    def finish_weight_update(
+        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
+    ) -> GroupCommittedWeights | None:
+        """Two-phase commit (see the module docstring); returns every engine's answer, or
+        None for an abort. `digest=True` asks each engine for its weights' digest."""
         everyone = range(len(self.clients))
         if abort:
             self._abort(everyone)
-            return
+            return None
         bad_label = not isinstance(weight_version, str) or not weight_version
         if weight_version is not None and bad_label:
             self._abort(everyone)
@@ -100,14 +109,23 @@ class EngineGroup:
             self._abort(everyone)
             raise EngineGroupError("prepare_weight_update (nothing was committed)", failed,
                                    self.names)  # fmt: skip
-        failed = self._on_all(
-            "finish_weight_update", lambda c, i: c.finish_weight_update(weight_version)
-        )
+        answers: dict[int, Any] = {}
+
+        def commit(client: PreparingWeightSyncClient, i: int) -> None:
+            if digest:  # only then: a client of the plain protocol need not take the flag
+                answers[i] = client.finish_weight_update(weight_version, digest=True)  # type: ignore[call-arg]
+            else:
+                answers[i] = client.finish_weight_update(weight_version)
+
+        failed = self._on_all("finish_weight_update", commit)
         if failed:  # not expected after prepare; say exactly where the commit landed
             self._abort(failed)
             committed = [self.names[i] for i in everyone if i not in failed]
             raise EngineGroupError(f"finish_weight_update (committed on {committed or 'none'})",
                                    failed, self.names)  # fmt: skip
+        engines = tuple(_committed(answers[i]) for i in everyone)
+        labels = {e.label for e in engines if e is not None}
+        return GroupCommittedWeights(labels.pop() if len(labels) == 1 else weight_version, engines)
 
     # -- checks -----------------------------------------------------------------------------
     def weight_infos(self) -> list[dict[str, Any]]:
@@ -147,6 +165,15 @@ class EngineGroup:
         """Each engine's workers follow those of the engines before it."""
         before = [sum(self.world_sizes[:i]) for i in range(len(self.world_sizes))]
         return [shift_rank_offset(init_info, shift) for shift in before]
+
+
+def _committed(answer: object) -> CommittedWeights | None:
+    """An engine's answer to the commit, whichever shape its client gave it in."""
+    if answer is None or isinstance(answer, CommittedWeights):
+        return answer
+    if isinstance(answer, dict):
+        return CommittedWeights.from_answer(answer)
+    return None
 
 
 def _label(info: dict[str, Any]) -> object:

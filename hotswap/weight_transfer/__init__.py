@@ -27,6 +27,8 @@ _EXPORTS = {
     "SparsePatch": "sparse",
     "diff_patches": "sparse",
     "WeightSyncClient": "clients",
+    "CommittedWeights": "clients",
+    "GroupCommittedWeights": "clients",
     "WeightSyncError": "clients",
     "HTTPWeightSyncClient": "clients",
     "InProcessWeightSyncClient": "clients",

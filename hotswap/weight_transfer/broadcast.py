@@ -11,6 +11,9 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import socket
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -25,6 +28,18 @@ from hotswap.weight_transfer.packing import arena_meta, buffer_lengths, byte_vie
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 120.0
+# Upper bounds on what a control caller may ask for: a receive blocks the weight plane up
+# to `timeout_s` (a pending gloo wait cannot be interrupted), and buffers are allocated.
+MAX_TIMEOUT_S = 600.0
+MAX_PORT = 65535
+MAX_WORLD_SIZE = 1 << 16
+MAX_BUFFER_BYTES = 1 << 36
+MAX_NUM_BUFFERS = 64
+PROBE_INTERVAL_S = 0.1
+
+
+class RendezvousCancelled(RuntimeError):
+    """Joining a group was cancelled (the round was aborted) before the store answered."""
 
 
 # Groups still open at interpreter exit are released by an atexit hook, while the runtime
@@ -47,10 +62,19 @@ def join_group(
     world_size: int,
     device: torch.device,
     timeout_s: float,
+    cancel: threading.Event | None = None,
 ) -> dist.ProcessGroup:
-    """Rank 0 hosts the store. Blocks until every rank has joined (or the timeout)."""
+    """Rank 0 hosts the store, listening on `address` only (never on every interface).
+    Blocks until every rank has joined (or the timeout); the other ranks first wait for the
+    store to listen, a wait that `cancel` ends at once."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    if rank == 0:
+        listener = _listen(address, port)
+        store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
+                              master_listen_fd=listener)  # fmt: skip
+    else:
+        _wait_for_store(address, port, timeout_s, cancel)
+        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout  # the watchdog's limit for a collective
@@ -58,11 +82,74 @@ def join_group(
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def _int(info: dict[str, Any], key: str, default: int | None = None, low: int = 0) -> int:
+def _listen(address: str, port: int) -> int:
+    """A socket listening on `address`:`port` only; its descriptor goes to the store."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        raise ValueError(f"master_address: cannot listen on {address}:{port} ({e})") from None
+    return sock.detach()  # the store owns and closes it
+
+
+def _wait_for_store(
+    address: str, port: int, timeout_s: float, cancel: threading.Event | None
+) -> None:
+    """Until something accepts connections at address:port. torch's own connect retries
+    for the whole timeout inside one uninterruptible call; probing first keeps a wrong or
+    closed port cancellable (`/finish_weight_update {"abort": true}`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((address, port), timeout=min(1.0, max(remaining, 0.01))):
+                return
+        except OSError as e:
+            error = e
+        if cancel is not None and cancel.is_set():
+            raise RendezvousCancelled("init_weight_transfer_engine: cancelled")
+        if time.monotonic() >= deadline:
+            raise ValueError(
+                f"init_info.master_port: no store answered at {address}:{port} within "
+                f"{timeout_s:g} s ({error})"
+            )
+        if cancel is not None:
+            cancel.wait(PROBE_INTERVAL_S)
+        else:
+            time.sleep(PROBE_INTERVAL_S)
+
+
+def _int(
+    info: dict[str, Any], key: str, default: int | None = None, low: int = 0, high: int = 2**63
+) -> int:
     value = info.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"init_info.{key}: must be an integer >= {low}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"init_info.{key}: must be an integer in [{low}, {high}], got {value!r}")
     return value
+
+
+def _timeout(info: dict[str, Any]) -> float:
+    timeout = info.get("timeout_s", DEFAULT_TIMEOUT_S)
+    # `not 0 < t <= max` also refuses nan; inf and 1e300 are above the bound.
+    if (
+        not isinstance(timeout, (int, float))
+        or isinstance(timeout, bool)
+        or not (0 < timeout <= MAX_TIMEOUT_S)
+    ):
+        raise ValueError(
+            f"init_info.timeout_s: must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+            f"got {timeout!r}"
+        )
+    return float(timeout)
 
 
 class BroadcastChannel:
@@ -158,23 +245,24 @@ class BroadcastEngine(WeightTransferEngine):
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         address = init_info.get("master_address")
-        if not isinstance(address, str) or not address:
+        if not isinstance(address, str) or not address or len(address) > 255:
             raise ValueError("init_info.master_address: required, a host name or address")
-        port = _int(init_info, "master_port", low=1)
-        world_size = _int(init_info, "world_size", low=2)
-        rank = _int(init_info, "rank_offset", 1, low=1)
+        self.check_master_address(address)
+        port = _int(init_info, "master_port", low=1, high=MAX_PORT)
+        world_size = _int(init_info, "world_size", low=2, high=MAX_WORLD_SIZE)
+        rank = _int(init_info, "rank_offset", 1, low=1, high=MAX_WORLD_SIZE)
         if rank >= world_size:
             raise ValueError(f"init_info.rank_offset: {rank} is outside world_size {world_size}")
         packed = init_info.get("packed", True)
         if not isinstance(packed, bool):
             raise ValueError("init_info.packed: must be a boolean")
-        size = _int(init_info, "packed_buffer_size_bytes", DEFAULT_BUFFER_BYTES, low=1)
-        count = _int(init_info, "packed_num_buffers", DEFAULT_NUM_BUFFERS, low=1)
-        timeout = init_info.get("timeout_s", DEFAULT_TIMEOUT_S)
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ValueError("init_info.timeout_s: must be a positive number")
+        size = _int(init_info, "packed_buffer_size_bytes", DEFAULT_BUFFER_BYTES, low=1,
+                    high=MAX_BUFFER_BYTES)  # fmt: skip
+        count = _int(init_info, "packed_num_buffers", DEFAULT_NUM_BUFFERS, low=1,
+                     high=MAX_NUM_BUFFERS)  # fmt: skip
+        timeout = _timeout(init_info)
         self.shutdown()
-        group = join_group(address, port, rank, world_size, self.device, float(timeout))
+        group = join_group(address, port, rank, world_size, self.device, timeout, self.cancel)
         self.channel = BroadcastChannel(group, self.device, packed, size, count)
 
     def receive_weights(

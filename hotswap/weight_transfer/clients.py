@@ -5,9 +5,63 @@ plane of the chosen backend."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
+
+
+@dataclass(frozen=True)
+class CommittedWeights:
+    """What one finished round committed on an engine, from the engine's answer to the
+    commit itself: the integer `version` its outputs' provenance spans (and
+    `CompletionOutput.token_versions`) use, the `label`, and `digest` (blake2b of the
+    loaded weights, as /weight_info reports) when asked for, else None."""
+
+    version: int
+    label: str
+    digest: str | None = None
+
+    @classmethod
+    def from_answer(cls, answer: dict[str, Any]) -> CommittedWeights:
+        """From an engine's answer: HTTP's shape (`weight_version` is the label) or the
+        in-process one (`label`)."""
+        label = answer.get("label", answer.get("weight_version"))
+        version, digest = answer.get("version"), answer.get("digest")
+        if not isinstance(version, int) or isinstance(version, bool) or not isinstance(label, str):
+            raise WeightSyncError(f"finish_weight_update: the engine's answer names no commit: "
+                                  f"{answer!r}")  # fmt: skip
+        return cls(version, label, digest if isinstance(digest, str) else None)
+
+
+@dataclass(frozen=True)
+class GroupCommittedWeights:
+    """What one group commit committed: `engines[i]` is engine i's own answer (None from a
+    client that reports nothing). The label is common to all; integer versions are each
+    engine's own counter, so `version` is the common one, or None if the engines count
+    differently (e.g. one was restarted): then read the per-token versions of engine i's
+    outputs against `engines[i].version`."""
+
+    label: str | None
+    engines: tuple[CommittedWeights | None, ...]
+
+    @property
+    def version(self) -> int | None:
+        return _common([e.version if e is not None else None for e in self.engines])
+
+    @property
+    def digest(self) -> str | None:
+        """The engines' common digest; None unless every engine gave the same one."""
+        return _common([e.digest if e is not None else None for e in self.engines])
+
+
+def _common(values: list[Any]) -> Any:
+    """The one value all entries share, or None."""
+    return values[0] if values and values[0] is not None and len(set(values)) == 1 else None
+
+
+# What a commit returns: one engine's answer, or an EngineGroup's (one per engine).
+Committed = CommittedWeights | GroupCommittedWeights
 
 
 class WeightSyncError(RuntimeError):
@@ -27,7 +81,10 @@ class WeightSyncClient(Protocol):
 
     def finish_weight_update(
         self, weight_version: str | None = None, abort: bool = False
-    ) -> None: ...
+    ) -> Committed | None:
+        """Commit (returns what was committed) or abort (returns None). Clients that can
+        also take `digest=True` (all of hotswap's) then hash the committed weights."""
+        ...
 
 
 class PreparingWeightSyncClient(WeightSyncClient, Protocol):
@@ -66,11 +123,16 @@ class HTTPWeightSyncClient:
     def get_world_size(self) -> int:
         return int(self._get("/get_world_size")["world_size"])
 
-    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
+    def finish_weight_update(
+        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
+    ) -> CommittedWeights | None:
         body: dict[str, Any] = {"abort": abort}
         if weight_version is not None:
             body["weight_version"] = weight_version
-        self._post("/finish_weight_update", body)
+        if digest:  # only when asked: an older server would refuse the unknown field
+            body["digest"] = True
+        answer = self._post("/finish_weight_update", body)
+        return None if abort else CommittedWeights.from_answer(answer)
 
     def weight_info(self) -> dict[str, Any]:
         return self._get("/weight_info")
@@ -120,8 +182,11 @@ class InProcessWeightSyncClient:
     def prepare_weight_update(self) -> None:
         self._run("prepare_weight_update")
 
-    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
-        self._run("finish_weight_update", weight_version, abort)
+    def finish_weight_update(
+        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
+    ) -> CommittedWeights | None:
+        answer = self._run("finish_weight_update", weight_version, abort, digest)
+        return None if abort else CommittedWeights.from_answer(answer)
 
     def get_world_size(self) -> int:
         return int(self._run("get_world_size"))

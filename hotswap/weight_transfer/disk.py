@@ -4,13 +4,17 @@ its source as safetensors into a directory and points the engine at it."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hotswap.model.loader import iter_safetensors, safetensors_files
@@ -22,21 +26,109 @@ from hotswap.weight_transfer.trainer import (
     WeightTransferTrainerFactory,
 )
 
+MAX_PATH_CHARS = 4096
+MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+INDEX_FILE = "model.safetensors.index.json"
 
-def _files(update_info: dict[str, Any]) -> list[Path]:
+
+def _files(update_info: dict[str, Any], allowed: tuple[Path, ...] | None) -> list[Path]:
+    """The checkpoint's files, by real path, each confined to `allowed` (None: anywhere)
+    and checked (see `check_safetensors`) before any is read."""
     path = update_info.get("model_path")
-    if not isinstance(path, str) or not path or not Path(path).is_dir():
-        raise ValueError(f"model_path: {path!r} is not a directory")
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS or "\0" in path:
+        raise ValueError(f"model_path: must be a directory path of at most {MAX_PATH_CHARS} "
+                         f"characters")  # fmt: skip
+    shown = path if len(path) <= 200 else path[:200] + "..."
     try:
-        return safetensors_files(Path(path))
+        # Confined before anything else is looked at, so a caller cannot even learn what
+        # exists outside the allowed directories.
+        directory = confine(Path(path), allowed, repr(shown))
+        if not directory.is_dir():
+            raise ValueError(f"model_path: {shown!r} is not a directory")
+        # The index is read (for its weight_map) before the files it names.
+        confine(directory / INDEX_FILE, allowed, f"{INDEX_FILE} in {shown!r}")
+        files = [
+            confine(file, allowed, f"{file.name[:200]!r} in {shown!r}")
+            for file in safetensors_files(directory)
+        ]
+        for file in files:
+            check_safetensors(file)
     except FileNotFoundError as e:
         raise ValueError(f"model_path: {e}") from None
+    except (OSError, KeyError, TypeError, RecursionError) as e:  # also a bad index file
+        raise ValueError(f"model_path: cannot read a checkpoint in {shown!r} ({e!r})") from None
+    return files
+
+
+def confine(path: Path, allowed: tuple[Path, ...] | None, shown: str) -> Path:
+    """The real path of `path` (every symlink resolved); ValueError unless it lies inside
+    one of the `allowed` real directories (None: no confinement). Callers then open the
+    real path, so only a writer inside an allowed directory could swap a link in between."""
+    real = Path(os.path.realpath(path))
+    if allowed is None or any(real == d or d in real.parents for d in allowed):
+        return real
+    dirs = ", ".join(str(d) for d in allowed) or "none"
+    raise ValueError(
+        f"model_path: {shown} is outside the directories weights may be loaded from "
+        f"({dirs}; set at server start with --allowed-weight-dirs)"
+    )
+
+
+def check_safetensors(path: Path) -> None:
+    """ValueError unless `path` is a regular file whose header is a safetensors header
+    that tells the truth: every tensor's bytes lie inside the file and match its dtype and
+    shape (a header may claim a 100 GB tensor in a 16-byte file)."""
+    # O_NONBLOCK: a FIFO named *.safetensors must not block the open.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"model_path: {path.name} is not a regular file")
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(MAX_HEADER_BYTES, info.st_size - 8):
+            raise ValueError(f"model_path: {path.name} is not a safetensors file")
+        try:
+            header = json.loads(f.read(length))
+        except (ValueError, RecursionError):
+            raise ValueError(f"model_path: {path.name} has a corrupt header") from None
+    data_size = info.st_size - 8 - length
+    if not isinstance(header, dict):
+        raise ValueError(f"model_path: {path.name} has a corrupt header")
+    for name, entry in header.items():
+        if name != "__metadata__":
+            _check_entry(path.name, name, entry, data_size)
+
+
+def _check_entry(file: str, name: str, entry: object, data_size: int) -> None:
+    where = f"model_path: {file}: tensor {name[:200]!r}"
+    if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"{where}: missing or unsupported dtype")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(_count(d) for d in shape)):
+        raise ValueError(f"{where}: shape must be a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
+        raise ValueError(f"{where}: data_offsets must be [begin, end]")
+    begin, end = offsets
+    nbytes = math.prod(shape) * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+    if not begin <= end <= data_size or end - begin != nbytes:
+        raise ValueError(
+            f"{where}: declares {nbytes} bytes at [{begin}, {end}), but the file holds "
+            f"{data_size} bytes of data"
+        )
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @register_backend("disk")
 class DiskEngine(WeightTransferEngine):
     backend: ClassVar[str] = "disk"
     needs_init: ClassVar[bool] = False
+    # The only directories read (real paths); the engine sets its allowed_weight_dirs.
+    # None: anywhere (a DiskEngine used on its own).
+    allowed_dirs: tuple[Path, ...] | None = None
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Nothing to set up."""
@@ -45,20 +137,23 @@ class DiskEngine(WeightTransferEngine):
         if not isinstance(update_info, dict):
             raise ValueError("update_info: must be a JSON object")
         metas = []
-        for path in _files(update_info):
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    sliced = f.get_slice(name)
-                    dtype = _SAFETENSORS_DTYPES.get(sliced.get_dtype())
-                    if dtype is None:
-                        raise ValueError(f"{path.name}: {name} has unsupported dtype")
-                    metas.append(ParamMeta(name, dtype, tuple(sliced.get_shape())))
+        for path in _files(update_info, self.allowed_dirs):
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                        sliced = f.get_slice(name)
+                        dtype = _SAFETENSORS_DTYPES.get(sliced.get_dtype())
+                        if dtype is None:
+                            raise ValueError(f"{path.name}: {name} has unsupported dtype")
+                        metas.append(ParamMeta(name, dtype, tuple(sliced.get_shape())))
+            except SafetensorError as e:
+                raise ValueError(f"model_path: {path.name} is not readable ({e})") from None
         return metas
 
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from iter_safetensors(_files(update_info))
+        yield from iter_safetensors(_files(update_info, self.allowed_dirs))
 
 
 _SAFETENSORS_DTYPES = {

@@ -5,7 +5,11 @@ sides cannot disagree about it."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import math
+import socket
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
@@ -24,13 +28,32 @@ class WeightTransferConfig:
     # Refuse a round that does not write every weight of the model (off: partial updates,
     # e.g. only the trained layers, are allowed).
     require_complete: bool = False
-    # A round left open this long (trainer gone between calls) is aborted.
-    round_timeout_s: float = 600.0
+    # A round with no call for this long (its trainer died or hangs between calls) is
+    # aborted, and generation resumes. Idle time: a long receive does not count against it.
+    round_timeout_s: float = 30.0
+    # Master addresses a broadcast init may name (host names, addresses or networks such
+    # as "10.0.0.0/8"); None: any. The engine connects to whatever a control caller names.
+    allowed_master_addresses: tuple[str, ...] | None = None
     # Keep last round's receive buffers for the next (one extra copy of what was sent held
     # between rounds, on the engine's device; about 3x faster receives on CPU). Off:
     # allocate per round (on a GPU short of memory). Sleep (level >= 1) drops them.
     # The ipc backend stages views of the trainer's memory and uses no buffers.
     reuse_receive_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        timeout = self.round_timeout_s
+        if (
+            not isinstance(timeout, (int, float))
+            or isinstance(timeout, bool)
+            or not (timeout > 0 and math.isfinite(timeout))
+        ):
+            raise ValueError(f"round_timeout_s: must be a positive number, got {timeout!r}")
+        allowed = self.allowed_master_addresses
+        if allowed is not None:
+            if isinstance(allowed, str) or not all(isinstance(a, str) and a for a in allowed):
+                raise ValueError("allowed_master_addresses: must be a list of host names, "
+                                 "addresses or networks")  # fmt: skip
+            object.__setattr__(self, "allowed_master_addresses", tuple(allowed))
 
     @classmethod
     def parse(
@@ -79,6 +102,18 @@ class WeightTransferEngine(ABC):
         self.allocate: Allocator = lambda meta: torch.empty(
             meta.shape, dtype=meta.dtype, device=device
         )
+        # Set when the round is aborted while `init_transfer_engine` waits for the trainer.
+        self.cancel = threading.Event()
+        self.allowed_master_addresses: tuple[str, ...] | None = None
+
+    def check_master_address(self, address: str) -> None:
+        """ValueError unless `address` is on the engine's allow-list (if it has one)."""
+        allowed = self.allowed_master_addresses
+        if allowed is not None and not address_allowed(address, allowed):
+            raise ValueError(
+                f"init_info.master_address: {address!r} is not an allowed master address "
+                f"(allowed_master_addresses: {', '.join(allowed)})"
+            )
 
     @abstractmethod
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -130,7 +165,39 @@ def get_backend(name: str) -> type[WeightTransferEngine]:
 def create_transfer_engine(
     config: WeightTransferConfig, device: torch.device
 ) -> WeightTransferEngine:
-    return get_backend(config.backend)(device)
+    engine = get_backend(config.backend)(device)
+    engine.allowed_master_addresses = config.allowed_master_addresses
+    return engine
+
+
+def _resolve(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        return {ipaddress.ip_address(host.split("%", 1)[0])}
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    return {ipaddress.ip_address(info[4][0].split("%", 1)[0]) for info in infos}
+
+
+def address_allowed(address: str, allowed: tuple[str, ...]) -> bool:
+    """Whether every address `address` resolves to is allowed: listed (by name or
+    address) or inside a listed network."""
+    if address in allowed:
+        return True
+    resolved = _resolve(address)
+    if not resolved:
+        return False
+    permitted: set = set()
+    networks = []
+    for entry in allowed:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            permitted |= _resolve(entry)
+    return all(ip in permitted or any(ip in net for net in networks) for ip in resolved)
 
 
 def _load_builtin_backends() -> None:

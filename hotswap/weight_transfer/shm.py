@@ -94,15 +94,22 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str) -> Segment:
-        """Map another process's segment (never created here: a missing name is an error)."""
+        """Map another process's segment (never created here: a missing name is an error).
+        Only a regular file on the shared-memory filesystem itself: the name is opened
+        without following a symlink (one in /dev/shm could point at any file this process
+        can read, whose bytes would then be taken as weights), and a FIFO or device never
+        blocks the open."""
         check_available()
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
+            fd = os.open(SHM_DIR / name, flags)
         except FileNotFoundError:
             raise ValueError(f"no shared-memory segment {name!r}") from None
+        except OSError as e:  # ELOOP: a symlink; EISDIR: a directory; EACCES, ...
+            raise ValueError(f"{name!r} is not a shared-memory segment ({e.strerror})") from None
         try:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
+            if not stat.S_ISREG(info.st_mode) or info.st_dev != os.stat(SHM_DIR).st_dev:
                 raise ValueError(f"{name!r} is not a shared-memory segment")
             return cls(name, _map(fd, info.st_size), info.st_ino, owned=False)
         finally:
@@ -111,10 +118,10 @@ class Segment:
     def is_current(self) -> bool:
         """Whether the name still refers to the segment mapped here, at the same size."""
         try:
-            stat = os.stat(self.path)
+            info = os.lstat(self.path)
         except FileNotFoundError:
             return False
-        return stat.st_ino == self.inode and stat.st_size == self.size
+        return info.st_ino == self.inode and info.st_size == self.size
 
     def unlink(self) -> None:
         if self._finalizer is not None:

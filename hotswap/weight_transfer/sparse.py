@@ -23,6 +23,7 @@ from hotswap.weight_transfer.base import (
 )
 from hotswap.weight_transfer.broadcast import BroadcastEngine
 from hotswap.weight_transfer.broadcast_trainer import BroadcastTrainer, GlooTrainerInitInfo
+from hotswap.weight_transfer.clients import Committed
 from hotswap.weight_transfer.engine import register_backend
 from hotswap.weight_transfer.trainer import WeightTransferTrainerFactory, run_alongside
 
@@ -120,21 +121,29 @@ class SparseTrainer(BroadcastTrainer):
     """Patches, not a source: `send_patches(patches, weight_version)` runs one whole round
     (an empty list is a no-op). Every trainer rank calls it; rank 0 sends."""
 
-    def send_weights(self, weight_version: str | None = None) -> None:
+    def send_weights(
+        self, weight_version: str | None = None, *, digest: bool = False
+    ) -> Committed | None:
         raise TypeError("sparse: call send_patches(patches, weight_version) instead")
 
     def send_patches(
-        self, patches: Sequence[SparsePatch], weight_version: str | None = None
-    ) -> None:
+        self,
+        patches: Sequence[SparsePatch],
+        weight_version: str | None = None,
+        *,
+        digest: bool = False,
+    ) -> Committed | None:
+        """What was committed, as `send_weights` (None on other ranks or for no patches)."""
         if not self.is_sender or not patches:
-            return
+            return None
         metas = [ParamMeta(p.name, p.values.dtype, p.shape) for p in patches]
         info = {**metas_to_update_info(metas), "nnz": [p.indices.numel() for p in patches]}
         indices = index_dtype(metas)
         tensors = [t for p in patches for t in (p.indices.to(indices), p.values)]
-        self.run_round(
+        return self.run_round(
             lambda: run_alongside(
                 lambda: self.client.update_weights(info), lambda: self.channel.send(tensors)
             ),
             weight_version,
+            digest,
         )

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from hotswap.weight_transfer.base import ParamMeta, WeightSource, checked_items
-from hotswap.weight_transfer.clients import WeightSyncClient
+from hotswap.weight_transfer.clients import Committed, WeightSyncClient
 
 T = TypeVar("T")
 
@@ -46,17 +46,27 @@ class TrainerWeightTransferEngine(ABC):
     def send_round(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:
         """Rank 0: the update call(s) and the data plane of one round."""
 
-    def send_weights(self, weight_version: str | None = None) -> None:
-        """One full round. The source is checked against its metadata before anything is
-        sent; if the round fails after start, it is aborted on the engine (best effort),
-        which keeps serving its previous weights."""
+    def send_weights(
+        self, weight_version: str | None = None, *, digest: bool = False
+    ) -> Committed | None:
+        """One full round; returns what the engine committed: `CommittedWeights(version,
+        label, digest)` (the digest only with `digest=True`: the engine then hashes its new
+        weights, ~0.3 s for the default model), a `GroupCommittedWeights` for an
+        `EngineGroup`, None on ranks other than 0.
+        The source is checked against its metadata before anything is sent; if the round
+        fails after start, it is aborted on the engine (best effort), which keeps serving
+        its previous weights."""
         metas, tensors = checked_items(self.source)
-        if self.is_sender:
-            self.run_round(lambda: self.send_round(metas, tensors), weight_version)
+        if not self.is_sender:
+            return None
+        return self.run_round(lambda: self.send_round(metas, tensors), weight_version, digest)
 
-    def run_round(self, move: Callable[[], None], weight_version: str | None) -> None:
+    def run_round(
+        self, move: Callable[[], None], weight_version: str | None, digest: bool = False
+    ) -> Committed | None:
         """start -> `move` (the update calls and the data plane) -> finish; a round that
-        fails after start is aborted on the engine (best effort)."""
+        fails after start is aborted on the engine (best effort). Returns the client's
+        answer to the commit (None from a client that reports nothing)."""
         self.client.start_weight_update(is_checkpoint_format=self.is_checkpoint_format)
         try:
             move()
@@ -64,7 +74,9 @@ class TrainerWeightTransferEngine(ABC):
             with contextlib.suppress(Exception):
                 self.client.finish_weight_update(abort=True)
             raise
-        self.client.finish_weight_update(weight_version)
+        if digest:  # only then: a client of the plain protocol need not take the flag
+            return self.client.finish_weight_update(weight_version, digest=True)  # type: ignore[call-arg]
+        return self.client.finish_weight_update(weight_version)
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""

@@ -61,11 +61,12 @@ def test_two_ranks_serve_control_and_sync_as_one(tiny_model_factory) -> None:
                 WeightTransferTrainerFactory.trainer_init,
                 info, InProcessWeightSyncClient(llm), ModuleSource(trainer),
             )  # fmt: skip
-            await asyncio.to_thread(sync.send_weights, "v2")
+            committed = await asyncio.to_thread(lambda: sync.send_weights("v2", digest=True))
             assert await generate_all(llm) == expected_v2  # every rank has V2
             assert (await llm.get_weight_version())["label"] == "v2"
             v2_digest = LLM(str(v2), progress=False, **ENGINE).get_weight_info()["digest"]
             assert (await llm.get_weight_info())["digest"] == v2_digest  # ranks agree
+            assert (committed.label, committed.digest) == ("v2", v2_digest)  # both ranks'
         finally:
             llm.shutdown()
 

@@ -122,3 +122,17 @@ class TestKVCacheManager:
         for r in reqs:
             kv.free(r)
         assert kv.num_free_blocks == 8 and kv.usage == 0.0
+
+
+def test_cache_salt_separates_prefixes_and_prompt_logprobs_skip_the_cache() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(10))
+    salted = Request("s1", prompt, SamplingParams(), cache_salt="v1")
+    kv.allocate(salted, 10)
+    assert kv.get_computed_blocks(Request("s2", prompt, SamplingParams(), cache_salt="v1"))[1] == 8
+    assert kv.get_computed_blocks(Request("s3", prompt, SamplingParams(), cache_salt="v2"))[1] == 0
+    assert kv.get_computed_blocks(Request("plain", prompt, SamplingParams()))[1] == 0
+    scored = Request("p", prompt, SamplingParams(prompt_logprobs=0), cache_salt="v1")
+    assert kv.get_computed_blocks(scored) == ([], 0)  # its prompt must be computed to score it
+    scored.prompt_logprobs = [None] * 9  # once every prompt token is scored, hits are fine
+    assert kv.get_computed_blocks(scored)[1] == 8

@@ -168,3 +168,27 @@ def test_qwen_models_run(tiny_model_factory) -> None:
         llm = make_llm(tiny_model_factory(arch), dtype="bfloat16")
         [out] = llm.generate("The quick", GREEDY)
         assert len(out.outputs[0].token_ids) == 12
+
+
+def test_batch_invariance_holds_with_penalties_and_processed_logprobs(tiny_llama) -> None:
+    """A penalised, seeded request: the same tokens and bitwise-equal processed logprobs
+    alone and inside a mixed batch (other penalties, prompt logprobs, greedy rows)."""
+    params = SamplingParams(
+        temperature=0.9,
+        seed=5,
+        max_tokens=12,
+        logprobs=2,
+        repetition_penalty=1.4,
+        presence_penalty=0.6,
+        frequency_penalty=0.4,
+    )
+    target = SHARED + "The quick brown fox"
+    llm = make_llm(tiny_llama, batch_invariant=True, logprobs_mode="processed_logprobs")
+    [alone] = llm.generate([target], params)
+    others = [
+        SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=2.0, prompt_logprobs=1),
+        SamplingParams(temperature=1.2, seed=1, max_tokens=9, frequency_penalty=1.5),
+    ]
+    mixed = llm.generate([SHARED, target, "Pause"], [others[0], params, others[1]])
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert mixed[1].outputs[0].logprobs == alone.outputs[0].logprobs

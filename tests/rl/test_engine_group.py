@@ -10,6 +10,7 @@ import pytest
 from hotswap import LLM
 from hotswap.rl import EngineGroup, EngineGroupError
 from hotswap.weight_transfer import (
+    CommittedWeights,
     GlooTrainerInitInfo,
     HTTPWeightSyncClient,
     ModuleSource,
@@ -45,8 +46,15 @@ def trainer_engine(group: EngineGroup, source):  # noqa: ANN001, ANN201
 def test_one_send_updates_every_engine(servers, v2_trainer, v2_dir) -> None:
     group = EngineGroup([HTTPWeightSyncClient(s.url) for s in servers])
     assert group.num_workers == 2
-    trainer_engine(group, ModuleSource(v2_trainer)).send_weights("step-1")
+    before = [info["version"] for info in group.weight_infos()]
+    committed = trainer_engine(group, ModuleSource(v2_trainer)).send_weights("step-1", digest=True)
     assert group.check_consistent() == {"weight_version": "step-1", "digest": digest(v2_dir)}
+    # What the commit returned: every engine's own answer, and what they have in common.
+    assert committed.engines == tuple(
+        CommittedWeights(v + 1, "step-1", digest(v2_dir)) for v in before
+    )
+    assert (committed.label, committed.digest) == ("step-1", digest(v2_dir))
+    assert committed.version == (before[0] + 1 if len(set(before)) == 1 else None)
 
 
 def test_a_round_one_engine_refuses_is_committed_nowhere(servers, v2_trainer) -> None:

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from hotswap.rl import EngineGroup, EngineGroupError
-from hotswap.weight_transfer import WeightSyncError
+from hotswap.rl import EngineGroup, EngineGroupError, GroupCommittedWeights
+from hotswap.weight_transfer import CommittedWeights, WeightSyncError
 
 
 class FakeEngine:
@@ -34,14 +34,18 @@ class FakeEngine:
     def prepare_weight_update(self) -> None:
         self._step("prepare")
 
-    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
+    def finish_weight_update(
+        self, weight_version: str | None = None, abort: bool = False, **kw: bool
+    ) -> CommittedWeights | None:
         if abort:
             self.round_open = False
             self.calls.append("abort")
-            return
+            return None
         self._step("finish")
         self.round_open = False
-        self.info = {**self.info, "weight_version": weight_version}
+        version = self.info["version"] + 1
+        self.info = {**self.info, "weight_version": weight_version, "version": version}
+        return CommittedWeights(version, weight_version, self.info["digest"] if kw else None)
 
     def get_world_size(self) -> int:
         return 2
@@ -50,10 +54,40 @@ class FakeEngine:
         return self.info
 
 
-def round_(group: EngineGroup, label: str | None = "v1") -> None:
+def round_(group: EngineGroup, label: str | None = "v1") -> GroupCommittedWeights | None:
     group.start_weight_update()
     group.update_weights({})
-    group.finish_weight_update(label)
+    return group.finish_weight_update(label)
+
+
+class PlainEngine(FakeEngine):
+    """A client of the plain protocol: no `digest` flag, reports nothing."""
+
+    def finish_weight_update(self, weight_version: str | None = None, abort: bool = False) -> None:
+        super().finish_weight_update(weight_version, abort)
+
+
+def test_the_commit_returns_every_engines_answer() -> None:
+    engines = [FakeEngine(), FakeEngine()]
+    group = EngineGroup(engines, world_sizes=[1, 1])
+    assert round_(group) == GroupCommittedWeights(
+        "v1", (CommittedWeights(1, "v1"), CommittedWeights(1, "v1"))
+    )
+    engines[1].info["version"] = 5  # e.g. restarted and committed on its own since
+    group.start_weight_update()
+    committed = group.finish_weight_update("v2", digest=True)
+    assert committed.engines == (CommittedWeights(2, "v2", "d0"), CommittedWeights(6, "v2", "d0"))
+    assert (committed.label, committed.version, committed.digest) == ("v2", None, "d0")
+    assert group.finish_weight_update(abort=True) is None
+
+
+def test_a_client_that_reports_nothing_still_commits() -> None:
+    engines = [FakeEngine(digest="d1"), PlainEngine()]
+    group = EngineGroup(engines, world_sizes=[1, 1])
+    committed = round_(group)
+    assert committed.engines == (CommittedWeights(1, "v1"), None)
+    assert (committed.label, committed.version, committed.digest) == ("v1", None, None)
+    assert all(e.info["weight_version"] == "v1" for e in engines)
 
 
 def test_broadcast_ranks_follow_each_engines_workers() -> None:

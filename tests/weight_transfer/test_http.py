@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hotswap.weight_transfer import (
+    CommittedWeights,
     GlooTrainerInitInfo,
     HTTPWeightSyncClient,
     IPCTrainerInitInfo,
@@ -49,7 +50,8 @@ def test_gloo_sync_over_http(gloo_server, v1_trainer, v2_trainer, v1_dir, v2_dir
     assert httpx.get(f"{gloo_server.url}/get_world_size").json() == {"world_size": 1}
     info = GlooTrainerInitInfo(master_port=free_port(), world_size=2)
     engine = WeightTransferTrainerFactory.trainer_init(info, client, ModuleSource(v2_trainer))
-    engine.send_weights("step-1")
+    committed = engine.send_weights("step-1", digest=True)
+    assert committed == CommittedWeights(1, "step-1", expected_digest)  # the commit's answer
     assert complete(gloo_server) == expected != before
     weights = client.weight_info()
     assert weights == {"weight_version": "step-1", "version": 1, "digest": expected_digest}
@@ -63,6 +65,8 @@ def test_gloo_sync_over_http(gloo_server, v1_trainer, v2_trainer, v1_dir, v2_dir
     assert r.status_code == 409
     r = http.post("/finish_weight_update", json={"weight_version": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body.weight_version"
+    r = http.post("/finish_weight_update", json={"digest": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body.digest"
     assert http.post("/finish_weight_update", json={"abort": True}).json() == {
         "message": "Weight update aborted"
     }
@@ -149,9 +153,10 @@ def test_ipc_sync_over_http(v1_dir, v2_trainer, v2_dir) -> None:
     with RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", config) as server:
         client = HTTPWeightSyncClient(server.url)
         info = IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=32 << 10)
-        WeightTransferTrainerFactory.trainer_init(
+        committed = WeightTransferTrainerFactory.trainer_init(
             info, client, ModuleSource(v2_trainer)
         ).send_weights("ipc")
+        assert committed == CommittedWeights(1, "ipc", None)  # no digest unless asked for
         assert complete(server) == expected
 
 

@@ -12,8 +12,10 @@ from fastapi import Request, Response
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.api_server import get_engine, get_server_config
 from hotswap.entrypoints.errors import APIError
+from hotswap.entrypoints.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
+    apply_server_flags,
     base_request_id,
     check_context_length,
     check_model,
@@ -41,6 +43,7 @@ from hotswap.entrypoints.openai.serving import (
     clamp_logprob,
     collect_final,
     make_usage,
+    prompt_logprobs_info,
     token_text,
     weight_spans,
 )
@@ -76,12 +79,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     engine = get_engine(request)
     check_model(request, body.model)
     check_unsupported(body)
+    apply_server_flags(request, body)
     _check_chat_options(body)
+    check_request_chat_template(request, body.chat_template, "body.chat_template")
     max_tokens = completion_max_tokens(body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=body.stream)
-    prompt = render_chat(engine, body)
+    prompt = await off_loop(render_chat, engine, body)  # templates and long prompts take time
     check_context_length(engine, prompt, max_tokens, max_tokens_param(body))
+    prompt.cache_salt = body.cache_salt
     role = "assistant" if body.add_generation_prompt else body.messages[-1]["role"]
     ctx = ChatContext(
         id=base_request_id(request, body.request_id, "chatcmpl"),
@@ -192,6 +198,7 @@ def chat_response(ctx: ChatContext, final: RequestOutput) -> ChatCompletionRespo
         choices=choices,
         usage=make_usage(len(final.prompt_token_ids), num_completion, cached),
         prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs_info(final.prompt_logprobs),
     )
 
 

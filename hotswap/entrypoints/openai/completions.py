@@ -10,9 +10,10 @@ from fastapi import Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.api_server import get_engine, get_server_config
-from hotswap.entrypoints.errors import APIError
+from hotswap.entrypoints.limits import off_loop
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
+    apply_server_flags,
     base_request_id,
     check_context_length,
     check_model,
@@ -26,6 +27,7 @@ from hotswap.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
 )
 from hotswap.entrypoints.openai.serving import (
     MergedStream,
@@ -33,6 +35,7 @@ from hotswap.entrypoints.openai.serving import (
     collect_final,
     engine_ids,
     make_usage,
+    prompt_logprobs_info,
     token_text,
     weight_spans,
 )
@@ -45,6 +48,7 @@ from hotswap.entrypoints.openai.streaming import (
     sse_error,
 )
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.tokenizer import Tokenizer
 
 
 @dataclass
@@ -56,6 +60,7 @@ class CompletionContext:
     echo_texts: list[str]  # per prompt; empty strings without echo
     cached_details: bool
     created: int
+    tokenizer: Tokenizer
 
     def chunk(self, choices: list[CompletionChoice], **extra: object) -> CompletionResponse:
         return CompletionResponse(
@@ -67,24 +72,31 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     engine = get_engine(request)
     check_model(request, body.model)
     check_unsupported(body)
-    if body.echo and body.logprobs is not None:
-        raise APIError(
-            400, "echo: not supported together with logprobs (no prompt logprobs)", "body.echo"
-        )
+    apply_server_flags(request, body)
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:  # the echoed tokens are scored too
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     sampling = sampling_params(
-        body, max_tokens=body.max_tokens, logprobs=body.logprobs, stream=body.stream
+        body,
+        max_tokens=body.max_tokens,
+        logprobs=body.logprobs,
+        stream=body.stream,
+        prompt_logprobs=prompt_logprobs,
     )
-    prompts = [
-        prepare_prompt(
-            engine,
-            prompt,
-            add_special_tokens=body.add_special_tokens,
-            truncate=body.truncate_prompt_tokens,
-        )
-        for prompt in body.prompt
-    ]
+    prompts = await off_loop(  # tokenizing a long prompt must not stall other clients
+        lambda: [
+            prepare_prompt(
+                engine,
+                prompt,
+                add_special_tokens=body.add_special_tokens,
+                truncate=body.truncate_prompt_tokens,
+            )
+            for prompt in body.prompt
+        ]
+    )
     for prompt in prompts:
         check_context_length(engine, prompt, body.max_tokens, "body.max_tokens")
+        prompt.cache_salt = body.cache_salt
     base_id = base_request_id(request, body.request_id, "cmpl")
     ctx = CompletionContext(
         id=base_id,
@@ -94,6 +106,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         echo_texts=[_echo_text(engine, p) if body.echo else "" for p in prompts],
         cached_details=get_server_config(request).enable_prompt_tokens_details,
         created=int(time.time()),
+        tokenizer=engine.tokenizer,
     )
     stream = MergedStream(engine, prompts, sampling, engine_ids(base_id, len(prompts)))
     await stream.start()
@@ -128,10 +141,14 @@ def _choice(
     ctx: CompletionContext, p_index: int, output: RequestOutput, comp: CompletionOutput
 ) -> CompletionChoice:
     body, echo = ctx.body, ctx.echo_texts[p_index]
+    logprobs = _logprobs(ctx, comp, len(echo))
+    if logprobs is not None and body.echo:
+        logprobs = _echo_logprobs(ctx, output).extend(logprobs)
     return CompletionChoice(
         index=p_index * body.n + comp.index,
         text=echo + comp.text,
-        logprobs=_logprobs(ctx, comp, len(echo)),
+        logprobs=logprobs,
+        prompt_logprobs=_prompt_logprobs(ctx, output),
         finish_reason=comp.finish_reason,
         stop_reason=comp.stop_reason,
         token_ids=list(comp.token_ids) if body.return_token_ids else None,
@@ -148,6 +165,37 @@ def _logprobs(
     return completion_logprobs(
         comp.token_ids, comp.logprobs, initial_offset, ctx.body.return_tokens_as_token_ids
     )
+
+
+def _prompt_logprobs(
+    ctx: CompletionContext, output: RequestOutput
+) -> list[dict[int, PromptLogprob] | None] | None:
+    if ctx.body.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_info(output.prompt_logprobs)
+
+
+def _echo_logprobs(ctx: CompletionContext, output: RequestOutput) -> CompletionLogProbs:
+    """The legacy logprobs of the echoed prompt: nothing scores its first token (null)."""
+    scored = output.prompt_logprobs or []
+    as_ids = ctx.body.return_tokens_as_token_ids
+    result = CompletionLogProbs()
+    offset = 0
+    for token_id, entries in zip(output.prompt_token_ids, scored):
+        own = entries.get(token_id) if entries is not None else None
+        if own is None and not as_ids:  # the first token: no logprob, but it has a text
+            own = Logprob(0.0, None, ctx.tokenizer.decode([token_id], skip_special_tokens=False))
+        token = token_text(token_id, own, as_ids)
+        result.text_offset.append(offset)
+        result.tokens.append(token)
+        result.token_logprobs.append(None if entries is None else clamp_logprob(own.logprob))
+        result.top_logprobs.append(
+            None
+            if entries is None
+            else {token_text(t, lp, as_ids): clamp_logprob(lp.logprob) for t, lp in entries.items()}
+        )
+        offset += len(token)
+    return result
 
 
 def completion_logprobs(
@@ -177,17 +225,28 @@ async def stream_completion(ctx: CompletionContext, stream: MergedStream) -> Asy
     body = ctx.body
     tracker = StreamTracker(body.n, [len(p.token_ids) for p in ctx.prompts])
     try:
+        # With logprobs, an echo waits for the prompt's logprobs (they come with the first
+        # token); without, it goes out at once.
+        scored_echo = body.echo and body.logprobs is not None
         try:
-            if body.echo:
+            if body.echo and not scored_echo:
                 for index, progress in tracker.choices.items():
                     progress.started = True
                     progress.text_len = len(ctx.echo_texts[progress.prompt_index])
                     yield sse(ctx.chunk([_echo_choice(ctx, index, progress.prompt_index)]))
             async for p_index, output in stream.outputs():
                 for index, progress, delta in tracker.updates(p_index, output):
+                    if scored_echo and not progress.started:
+                        progress.started = True
+                        progress.text_len = len(ctx.echo_texts[p_index])
+                        echo = _echo_choice(ctx, index, p_index)
+                        echo.logprobs = _echo_logprobs(ctx, output)
+                        echo.prompt_logprobs = _prompt_logprobs(ctx, output)
+                        yield sse(ctx.chunk([echo]))
                     choice = _stream_choice(ctx, index, delta, progress.text_len)
                     if not progress.started:
                         progress.started = True
+                        choice.prompt_logprobs = _prompt_logprobs(ctx, output)
                         if body.return_token_ids:
                             choice.prompt_token_ids = list(output.prompt_token_ids)
                     progress.text_len += len(delta.text)

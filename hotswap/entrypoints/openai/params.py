@@ -13,6 +13,7 @@ from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import check_prompt, encode_prompt
 from hotswap.entrypoints.api_server import get_server_config
 from hotswap.entrypoints.errors import APIError, param_of
+from hotswap.entrypoints.limits import check_prompt_chars
 from hotswap.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,13 +23,9 @@ from hotswap.sampling_params import RequestOutputKind, SamplingParams
 
 # field -> the values accepted (hotswap does not implement anything else)
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
     "length_penalty": (None, 1),
     "logit_bias": (None, {}),
     "use_beam_search": (False,),
-    "prompt_logprobs": (None,),
     "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "priority": (0,),
@@ -45,9 +42,13 @@ class EnginePrompt:
 
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None
 
     def as_input(self) -> dict[str, Any]:
-        return {"prompt_token_ids": self.token_ids, "prompt": self.text}
+        prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        return prompt
 
 
 def served_model_name(request: Request) -> str:
@@ -91,10 +92,24 @@ def _same(value: Any, accepted: Any) -> bool:
     return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
 
 
+def apply_server_flags(request: Request, body: SamplingRequest) -> None:
+    """Server-wide defaults that vLLM takes as flags (--return-tokens-as-token-ids)."""
+    if get_server_config(request).return_tokens_as_token_ids:
+        body.return_tokens_as_token_ids = True
+
+
 def sampling_params(
-    body: SamplingRequest, *, max_tokens: int | None, logprobs: int | None, stream: bool
+    body: SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    stream: bool,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
-    """Build (and so validate) the SamplingParams; a bad value becomes 400 `body.<field>`."""
+    """Build (and so validate) the SamplingParams; a bad value becomes 400 `body.<field>`.
+    `prompt_logprobs` overrides the body's (echo with logprobs needs them)."""
+    if prompt_logprobs is None:
+        prompt_logprobs = body.prompt_logprobs
     try:
         return SamplingParams(
             n=body.n,
@@ -110,6 +125,10 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            repetition_penalty=_or(body.repetition_penalty, 1.0),
+            presence_penalty=_or(body.presence_penalty, 0.0),
+            frequency_penalty=_or(body.frequency_penalty, 0.0),
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             max_weight_lag=body.max_weight_lag,
@@ -117,6 +136,10 @@ def sampling_params(
         )
     except ValueError as e:
         raise _field_error(e, body) from None
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def _field_error(error: ValueError, body: SamplingRequest) -> APIError:
@@ -150,6 +173,7 @@ def prepare_prompt(
 ) -> EnginePrompt:
     """Tokenize and check one prompt (vocabulary, context length): 400 with `param`."""
     if isinstance(prompt, str):
+        check_prompt_chars(engine, prompt, truncate, param)  # before the costly encode
         text, ids = prompt, engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         text, ids = encode_prompt(engine.tokenizer, prompt)

@@ -19,6 +19,8 @@ from pydantic import (
     model_serializer,
 )
 
+from hotswap.entrypoints.limits import CheckedModel
+
 I64 = 2**63
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
 MAX_N = 1024
@@ -27,8 +29,10 @@ Int64 = Annotated[int, Field(ge=-I64, lt=I64)]
 NonNegInt64 = Annotated[int, Field(ge=0, lt=I64)]
 
 
-class RequestModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+class RequestModel(CheckedModel):
+    # strict: no coercion that changes meaning ("stream": "yes" is not true, "n": "2" not
+    # 2); floats are finite and bounded (CheckedModel), strings valid Unicode.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class StreamOptions(RequestModel):
@@ -62,14 +66,17 @@ class SamplingRequest(RequestModel):
     return_tokens_as_token_ids: bool = False
     request_id: Annotated[str, Field(min_length=1, max_length=512)] | None = None
     max_weight_lag: NonNegInt64 | None = None
-    # accepted only at their defaults (see params.check_unsupported)
+    # vLLM's extensions; ranges are SamplingParams' (400 naming the field)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # accepted only at their defaults (see params.check_unsupported)
     length_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     response_format: dict[str, Any] | None = None
@@ -248,14 +255,31 @@ class CompletionLogProbs(ResponseModel):
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
+    def extend(self, other: CompletionLogProbs) -> CompletionLogProbs:
+        """Append `other`'s tokens (their offsets are already absolute); returns self."""
+        self.text_offset += other.text_offset
+        self.token_logprobs += other.token_logprobs
+        self.tokens += other.tokens
+        self.top_logprobs += other.top_logprobs
+        return self
+
+
+class PromptLogprob(ResponseModel):
+    """vLLM's Logprob as it serialises in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
 
 class CompletionChoice(ResponseModel):
     """A choice of a completion response, or of one stream chunk."""
 
-    omit_if_none = frozenset({"token_ids", "prompt_token_ids"})
+    omit_if_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -326,7 +350,7 @@ class ChatStreamChoice(ResponseModel):
 
 
 class ChatCompletionResponse(ResponseModel):
-    omit_if_none = frozenset({"prompt_token_ids", "usage"})
+    omit_if_none = frozenset({"prompt_token_ids", "usage", "prompt_logprobs"})
     id: str
     object: str = "chat.completion"
     created: int
@@ -335,6 +359,7 @@ class ChatCompletionResponse(ResponseModel):
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class ChatCompletionChunk(ResponseModel):

@@ -37,9 +37,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @openai_router.post("/tokenize")
 async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    return tokenize(body, request)
+    return await tokenize(body, request)
 
 
 @openai_router.post("/detokenize")
 async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    return detokenize(body, request)
+    return await detokenize(body, request)

@@ -14,11 +14,12 @@ from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.params import EnginePrompt
 from hotswap.entrypoints.openai.protocol import (
+    PromptLogprob,
     PromptTokensDetails,
     UsageInfo,
     WeightVersionSpanInfo,
 )
-from hotswap.outputs import Logprob, RequestOutput, WeightVersionSpan
+from hotswap.outputs import Logprob, PromptLogprobs, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,25 @@ def token_text(token_id: int, logprob: Logprob | None, as_ids: bool) -> str:
 
 def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
+
+
+def prompt_logprobs_info(
+    logprobs: PromptLogprobs | None,
+) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` field: None first, then {token id: logprob, rank, text}."""
+    if logprobs is None:
+        return None
+    return [
+        None
+        if entries is None
+        else {
+            token: PromptLogprob(
+                logprob=clamp_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token, lp in entries.items()
+        }
+        for entries in logprobs
+    ]
 
 
 def engine_ids(base_id: str, count: int) -> list[str]:

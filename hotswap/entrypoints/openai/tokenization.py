@@ -6,8 +6,10 @@ import time
 
 from fastapi import Request
 
+from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.api_server import get_engine
 from hotswap.entrypoints.errors import APIError
+from hotswap.entrypoints.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.openai.chat import apply_template
 from hotswap.entrypoints.openai.params import check_model, served_model_name
 from hotswap.entrypoints.openai.protocol import (
@@ -31,11 +33,15 @@ def list_models(request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
-def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    engine = get_engine(request)
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     check_model(request, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "prompt: give exactly one of 'prompt' or 'messages'", "body.prompt")
+    check_request_chat_template(request, body.chat_template, "body.chat_template")
+    return await off_loop(_tokenize, body, get_engine(request))
+
+
+def _tokenize(body: TokenizeRequest, engine: AsyncLLM) -> TokenizeResponse:
     if body.messages is not None:
         text = apply_template(
             engine,
@@ -58,7 +64,7 @@ def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     )
 
 
-def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     engine = get_engine(request)
     check_model(request, body.model)
     vocab = engine.config.model.vocab_size
@@ -69,4 +75,4 @@ def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
             f"tokens: token id {bad} is outside the vocabulary (integers 0..{vocab - 1})",
             "body.tokens",
         )
-    return DetokenizeResponse(prompt=engine.tokenizer.decode(body.tokens))
+    return DetokenizeResponse(prompt=await off_loop(engine.tokenizer.decode, body.tokens))

@@ -155,23 +155,33 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """`head_dtype` is the dtype of the final norm (and of the embedding when the LM head
+    shares it): the hidden states the head reads are then never rounded to `dtype`."""
+
     def __init__(
-        self, spec: DecoderSpec, dtype: torch.dtype, backend: AttentionBackend, invariant: bool
+        self,
+        spec: DecoderSpec,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        invariant: bool,
+        head_dtype: torch.dtype,
     ) -> None:
         super().__init__()
+        embed_dtype = head_dtype if spec.tie_word_embeddings else dtype
         self.embed_tokens = nn.Parameter(
-            torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), False
+            torch.empty(spec.vocab_size, spec.hidden_size, dtype=embed_dtype), False
         )
         self.layers = nn.ModuleList(
             DecoderLayer(spec, dtype, backend, invariant) for _ in range(spec.num_layers)
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, head_dtype)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
+        self.dtype = dtype
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = F.embedding(input_ids, self.embed_tokens).to(self.dtype)
         rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
             x = layer(rope, x, meta)
@@ -201,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         backend: AttentionBackend,
         batch_invariant: bool = False,
+        head_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         spec = DecoderSpec.from_hf(
@@ -208,10 +219,11 @@ class LlamaForCausalLM(nn.Module):
         )
         self.spec = spec
         self.batch_invariant = batch_invariant
-        self.model = DecoderModel(spec, dtype, backend, batch_invariant)
+        head_dtype = head_dtype or dtype
+        self.model = DecoderModel(spec, dtype, backend, batch_invariant, head_dtype)
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Parameter(
-                torch.empty(spec.vocab_size, spec.hidden_size, dtype=dtype), False
+                torch.empty(spec.vocab_size, spec.hidden_size, dtype=head_dtype), False
             )
 
     @property
