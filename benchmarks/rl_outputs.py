@@ -42,10 +42,10 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
 }
 
 
-def run_variant(engine_args: dict, options: dict, requests: list[dict]) -> float:
+def run_variant(engine_args: dict, options: dict, requests: list[dict], dtype: str) -> float:
     from hotswap import LLM, SamplingParams
 
-    llm = LLM(None, progress=False, **engine_args)
+    llm = LLM(None, progress=False, dtype=dtype, **engine_args)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([r["prompt"] for r in requests[:4]], warm, use_tqdm=False)
     llm.reset_prefix_cache()
@@ -60,7 +60,8 @@ def run_variant(engine_args: dict, options: dict, requests: list[dict]) -> float
 
 
 def spawn(variant: str, args: argparse.Namespace, pythonpath: str | None = None) -> float:
-    cmd = [sys.executable, __file__, "--worker", variant, "--num-requests", str(args.num_requests)]
+    cmd = [sys.executable, __file__, "--worker", variant, "--dtype", args.dtype]
+    cmd += ["--num-requests", str(args.num_requests)]
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
@@ -82,6 +83,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--baseline-ref", default=None, help="git ref to compare plain with")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -91,7 +93,8 @@ def main() -> None:
             engine_args, options = {}, {"temperature": 0.0}
         else:
             engine_args, options = VARIANTS[args.worker]
-        print(json.dumps({"elapsed": run_variant(engine_args, options, requests)}))
+        elapsed = run_variant(engine_args, options, requests, args.dtype)
+        print(json.dumps({"elapsed": elapsed}))
         return
     tokens = sum(r["max_tokens"] for r in requests)
     names = list(VARIANTS) + (["baseline"] if args.baseline_ref else [])
@@ -106,7 +109,10 @@ def main() -> None:
         if baseline is not None:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", baseline.name])
     plain = tokens / best["plain (greedy)"]
-    print(f"{args.num_requests} mixed requests, {tokens} output tokens, best of {args.repeats}")
+    print(
+        f"{args.num_requests} mixed requests, {tokens} output tokens, {args.dtype}, "
+        f"best of {args.repeats}"
+    )
     print("| variant | tok/s | vs plain greedy |\n|---|---|---|")
     for name in names:
         rate = tokens / best[name]

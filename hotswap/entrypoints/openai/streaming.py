@@ -43,8 +43,13 @@ class SSEResponse(StreamingResponse):
                 await self._cleanup()
 
 
+# Line breaks to Python's str.splitlines (and so to httpx's iter_lines) that JSON leaves
+# raw inside strings; escaped, an event stays one line for every client.
+_SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(model: BaseModel) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
+    return f"data: {model.model_dump_json().translate(_SPLITLINES_BREAKS)}\n\n"
 
 
 def sse_error(error: BaseException) -> str:
