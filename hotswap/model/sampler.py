@@ -88,8 +88,8 @@ class Sampler:
         reported = _as_mode(logits[wanted], self.logprobs_mode) if wanted and raw else None
         logits = process_logits(logits, batch)
         tokens = logits.max(dim=-1).indices  # same first-max tie rule as argmax, ~2x faster
-        if wanted and not raw:  # greedy rows report the processed logits at temperature 1
-            reported = _as_mode(logits[wanted], self.logprobs_mode)
+        if wanted and not raw:
+            reported = self._processed_greedy_rows(logits, batch, wanted)
         if not bool(batch.greedy.all()):
             random_rows = (~batch.greedy).nonzero().flatten().tolist()
             drawn, distribution = self._sample(logits[random_rows], batch, random_rows)
@@ -98,6 +98,19 @@ class Sampler:
                 _report_random_rows(reported, distribution, wanted, random_rows)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _gather_logprobs(reported, token_list, wanted, batch))
+
+    def _processed_greedy_rows(
+        self, logits: torch.Tensor, batch: SamplingBatch, wanted: list[int]
+    ) -> torch.Tensor:
+        """The reported rows, filled for greedy requests (processed logits at temperature
+        1, as vLLM); random requests' rows are filled from what they are drawn from."""
+        reported = logits.new_empty((len(wanted), logits.shape[-1]))
+        greedy = batch.greedy.tolist()
+        positions = [i for i, row in enumerate(wanted) if greedy[row]]
+        if positions:
+            rows = [wanted[i] for i in positions]
+            reported[positions] = _as_mode(logits[rows], self.logprobs_mode)
+        return reported
 
     def _sample(
         self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
