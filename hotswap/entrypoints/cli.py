@@ -249,15 +249,11 @@ def with_allowed_masters(config: str | None, addresses: list[str]) -> str:
     """--weight-transfer-config JSON with `allowed_master_addresses` set."""
     import json
 
+    from hotswap.weight_transfer.engine import parse_config_object
+
     if config is None:
         raise ValueError("--allowed-master-addresses: needs --weight-transfer-config")
-    try:
-        parsed = json.loads(config)
-    except ValueError as e:
-        raise ValueError(f"weight_transfer_config: not valid JSON ({e})") from None
-    if not isinstance(parsed, dict):
-        raise ValueError("weight_transfer_config: must be a JSON object")
-    return json.dumps({**parsed, "allowed_master_addresses": addresses})
+    return json.dumps({**parse_config_object(config), "allowed_master_addresses": addresses})
 
 
 def run_generate(args: argparse.Namespace) -> None:

@@ -22,6 +22,18 @@ from hotswap.weight_transfer.base import ParamMeta, metas_from_update_info
 Allocator = Callable[[ParamMeta], torch.Tensor]
 
 
+def parse_config_object(value: str | dict[str, Any]) -> dict[str, Any]:
+    """`--weight-transfer-config` JSON text (or a dict) as a dict; ValueError otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"weight_transfer_config: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError("weight_transfer_config: must be a JSON object")
+    return value
+
+
 @dataclass(frozen=True)
 class WeightTransferConfig:
     backend: str = "gloo"
@@ -62,13 +74,7 @@ class WeightTransferConfig:
         """From `--weight-transfer-config` JSON, a dict, or an instance; None stays None."""
         if value is None or isinstance(value, WeightTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"weight_transfer_config: not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError("weight_transfer_config: must be a JSON object")
+        value = parse_config_object(value)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
