@@ -10,14 +10,18 @@ from typing import Any
 
 import torch
 
-from hotswap.weight_transfer.engine import WeightTransferConfig
+from hotswap.errors import InvalidArgument
+from hotswap.weight_transfer.config import WeightTransferConfig
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 def check_logprobs_mode(mode: object) -> str:
     if mode not in LOGPROBS_MODES:
-        raise ValueError(f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
+        raise InvalidArgument(
+            "logprobs_mode",
+            f"logprobs_mode: must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}",
+        )
     return mode  # type: ignore[return-value]
 
 
@@ -38,12 +42,16 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype: unsupported {dtype}; choose float32 or bfloat16")
+            raise InvalidArgument(
+                "dtype", f"dtype: unsupported {dtype}; choose float32 or bfloat16"
+            )
         return dtype
     if dtype == "auto":
         return _DTYPES[DEFAULT_DTYPE]
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype: unsupported {dtype!r}; choose float32, bfloat16 or auto")
+        raise InvalidArgument(
+            "dtype", f"dtype: unsupported {dtype!r}; choose float32, bfloat16 or auto"
+        )
     return _DTYPES[dtype]
 
 
@@ -106,6 +114,9 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # vLLM's: raw_/processed_ logprobs/logits
     # Disk reloads read only files whose real path lies under one of these (real paths).
     allowed_weight_dirs: tuple[Path, ...] = ()
+    # vLLM's --worker-extension-cls: "module:Class" (or "module.Class"), whose public
+    # methods collective_rpc may call; named at start, never by a request.
+    worker_extension_cls: str | None = None
 
 
 @dataclass
@@ -147,6 +158,9 @@ class EngineArgs:
     # Directories a disk reload (/update_weights_from_disk, the disk backend) may read
     # from, symlinks resolved; None: the model directory's parent.
     allowed_weight_dirs: list[str] | None = None
+    # A class whose public methods `collective_rpc` calls inside the engine core (vLLM's
+    # --worker-extension-cls): "module:Class" or "module.Class".
+    worker_extension_cls: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -179,6 +193,7 @@ class EngineArgs:
             data_parallel_rank=self.data_parallel_rank,
             logprobs_mode=check_logprobs_mode(self.logprobs_mode),
             allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
+            worker_extension_cls=check_class_path(self.worker_extension_cls),
         )
 
     def _head_dtype(self) -> torch.dtype | None:
@@ -187,7 +202,8 @@ class EngineArgs:
         try:
             return parse_dtype(self.lm_head_dtype)
         except ValueError as e:
-            raise ValueError(str(e).replace("dtype:", "lm_head_dtype:", 1)) from None
+            message = str(e).replace("dtype:", "lm_head_dtype:", 1)
+            raise InvalidArgument("lm_head_dtype", message) from None
 
     def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:
         limit = int(hf_config.get("max_position_embeddings") or 2048)
@@ -195,9 +211,10 @@ class EngineArgs:
             return limit
         _check_positive("max_model_len", self.max_model_len)
         if self.max_model_len > limit:
-            raise ValueError(
+            raise InvalidArgument(
+                "max_model_len",
                 f"max_model_len: {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({limit})"
+                f"max_position_embeddings ({limit})",
             )
         return self.max_model_len
 
@@ -220,9 +237,10 @@ class EngineArgs:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         _check_positive("max_num_batched_tokens", budget)
         if not self.enable_chunked_prefill and budget < max_model_len:
-            raise ValueError(
+            raise InvalidArgument(
+                "max_num_batched_tokens",
                 f"max_num_batched_tokens: {budget} is smaller than max_model_len "
-                f"({max_model_len}); without chunked prefill a prompt must fit in one step"
+                f"({max_model_len}); without chunked prefill a prompt must fit in one step",
             )
         cap = self.max_prefill_tokens_while_decoding
         if cap is not None:
@@ -261,8 +279,21 @@ def allowed_weight_dirs(dirs: object, model_dir: Path) -> tuple[Path, ...]:
     if not isinstance(dirs, (list, tuple)) or not all(
         isinstance(d, (str, os.PathLike)) and str(d) for d in dirs
     ):
-        raise ValueError(f"allowed_weight_dirs: must be a list of directories, got {dirs!r}")
+        raise InvalidArgument(
+            "allowed_weight_dirs",
+            f"allowed_weight_dirs: must be a list of directories, got {dirs!r}",
+        )
     return tuple(Path(os.path.realpath(os.path.expanduser(d))) for d in dirs)
+
+
+def check_class_path(path: str | None) -> str | None:
+    """ "module:Class" or "module.Class" (imported by the engine core, not here)."""
+    if path is None:
+        return None
+    module, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module or not name.isidentifier():
+        raise ValueError(f"worker_extension_cls: expected 'module:Class', got {path!r}")
+    return path
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -275,7 +306,7 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
 
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+        raise InvalidArgument(name, f"{name}: must be a positive integer, got {value!r}")
 
 
 def check_device(value: str) -> str:
@@ -285,22 +316,27 @@ def check_device(value: str) -> str:
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device: {value!r} is not a device; use cpu, cuda or cuda:N") from None
+        raise InvalidArgument(
+            "device", f"device: {value!r} is not a device; use cpu, cuda or cuda:N"
+        ) from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: {value!r}: only cpu and cuda are supported")
+        raise InvalidArgument("device", f"device: {value!r}: only cpu and cuda are supported")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device: {value!r}: CUDA is not available on this machine")
+            raise InvalidArgument(
+                "device", f"device: {value!r}: CUDA is not available on this machine"
+            )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device: {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            raise InvalidArgument(
+                "device",
+                f"device: {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)",
             )
     return str(device)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
-        raise ValueError(f"{name}: must be one of {choices}, got {value!r}")
+        raise InvalidArgument(name, f"{name}: must be one of {choices}, got {value!r}")
     return value

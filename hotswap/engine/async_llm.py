@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from hotswap.config import EngineArgs
-from hotswap.engine.core import check_pause_mode
 from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient, MPEngineClient
 from hotswap.engine.dp_client import DPEngineClient
-from hotswap.engine.errors import EngineDeadError, EngineStateError
-from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
+from hotswap.engine.errors import EngineDeadError, EngineStateError, InvalidArgument
+from hotswap.engine.messages import CallError, EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import Prompt, check_prompt, encode_prompt, prompt_cache_salt
+from hotswap.engine.verbs import Args, make_args
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -138,63 +138,60 @@ class AsyncLLM:
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause as DESIGN §3: returns once the mode's condition holds and every output
         produced before it has reached its stream. Invalid mode: ValueError, no change."""
-        check_pause_mode(mode)
-        if not isinstance(clear_cache, bool):
-            raise ValueError(f"clear_cache: must be a boolean, got {clear_cache!r}")
-        await self._call("pause", mode, clear_cache)
+        await self.call("pause", mode=mode, clear_cache=clear_cache)
 
     async def resume_generation(self) -> None:
-        await self._call("resume")
+        await self.call("resume")
 
     async def is_paused(self) -> bool:
-        return await self._call("is_paused")
+        return await self.call("is_paused")
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
         """Forget cached prefixes (returns how many blocks were cached); with
         `reset_running_requests` running requests recompute their KV too."""
-        if not isinstance(reset_running_requests, bool):
-            raise ValueError("reset_running_requests: must be a boolean")
-        return await self._call("reset_prefix_cache", reset_running_requests)
+        return await self.call("reset_prefix_cache", reset_running_requests=reset_running_requests)
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Pause with `mode`, then level 0 stops scheduling, 1 also frees the KV cache and
         offloads the weights, 2 discards the weights (send or load them after waking)."""
-        await self._call("sleep", level, mode)
+        await self.call("sleep", level=level, mode=mode)
 
     async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Wake `tags` (weights, kv_cache, scheduling; None = all that sleep). Returns
         {is_sleeping, tags_woken}."""
-        return await self._call("wake_up", tags)
+        return await self.call("wake_up", tags=tags)
 
     async def is_sleeping(self) -> bool:
-        return await self._call("is_sleeping")
+        return await self.call("is_sleeping")
 
     async def load_weights_from_disk(
         self, model_path: str, weight_version: str | None = None
     ) -> dict[str, Any]:
         """Reload all weights from a safetensors directory between two steps (all or
         nothing) and commit a new version; returns {version, label}."""
-        return await self._call("load_weights_from_disk", model_path, weight_version)
+        return await self.call(
+            "load_weights_from_disk", model_path=model_path, weight_version=weight_version
+        )
 
     # -- weight transfer: the four phases (DESIGN §4) ------------------------------------
     async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Join the trainer's channel (backend-specific `init_info`); may block until the
         trainer joins too."""
-        await self._call("init_weight_transfer_engine", init_info)
+        await self.call("init_weight_transfer_engine", init_info=init_info)
 
     async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         """Open a round: no model step runs until it is finished or aborted."""
-        await self._call("start_weight_update", is_checkpoint_format)
+        await self.call("start_weight_update", is_checkpoint_format=is_checkpoint_format)
 
     async def update_weights(self, update_info: dict[str, Any]) -> int:
         """Receive one chunk (validated, staged; the model is not touched yet)."""
-        return await self._call("update_weights", update_info)
+        return await self.call("update_weights", update_info=update_info)
 
     async def prepare_weight_update(self) -> int:
         """Phase one of a commit across engines: refuse now what `finish` would refuse
         (e.g. an incomplete round under `require_complete`), apply nothing; the round stays
         open. Returns the number of staged tensors."""
-        return await self._call("prepare_weight_update")
+        return await self.call("prepare_weight_update")
 
     async def finish_weight_update(
         self, weight_version: str | None = None, abort: bool = False, digest: bool = False
@@ -203,25 +200,40 @@ class AsyncLLM:
         `weight_version`; `abort=True` drops the round instead. Returns {version, label,
         digest} as of this commit; `digest` (a blake2b of the weights, as `get_weight_info`
         gives) only when asked for, since it reads every weight, otherwise None."""
-        return await self._call("finish_weight_update", weight_version, abort, digest)
+        return await self.call(
+            "finish_weight_update", weight_version=weight_version, abort=abort, digest=digest
+        )
 
     async def get_world_size(self) -> int:
-        return await self._call("get_world_size")
+        return await self.call("get_world_size")
 
     async def get_weight_info(self) -> dict[str, Any]:
         """{version, label, digest} of the loaded weights."""
-        return await self._call("get_weight_info")
+        return await self.call("get_weight_info")
 
     async def update_weight_version(self, label: str) -> dict[str, Any]:
         """Commit a new weight version (+1) labelled `label`; returns {version, label}."""
-        return await self._call("update_weight_version", label)
+        return await self.call("update_weight_version", label=label)
 
     async def get_weight_version(self) -> dict[str, Any]:
-        return await self._call("get_weight_version")
+        return await self.call("get_weight_version")
+
+    async def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple | list = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call `method` of the worker extension (`worker_extension_cls`) on every engine
+        core; one result per core. `timeout` bounds the wait here (TimeoutError), as in
+        vLLM; a method already running finishes in the engine regardless."""
+        call = self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
+        return await asyncio.wait_for(call, timeout)
 
     async def get_stats(self) -> dict[str, Any]:
         """Queue sizes, KV usage, pause state and weight version of the engine core."""
-        return await self._call("get_stats")
+        return await self.call("get_stats")
 
     def front_end_stats(self) -> dict[str, Any]:
         """Counters kept as requests pass this front-end: prompt and generated tokens,
@@ -248,12 +260,19 @@ class AsyncLLM:
         elif loop is not self._loop:
             raise RuntimeError("AsyncLLM: used from a second event loop")
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def call(self, verb: str, **arguments: Any) -> Any:
+        """Invoke a control verb (verbs.py) by name; the named methods above are this with
+        their arguments. Refused arguments raise InvalidArgument naming the field, before
+        anything reaches the engine."""
+        return await self.call_with(make_args(verb, arguments))
+
+    async def call_with(self, args: Args) -> Any:
+        """Invoke the verb whose (validated) arguments these are."""
         self._start()
         call_id = next(self._call_ids)
         future = self._loop.create_future()
         self._calls[call_id] = future
-        self.client.call_utility(UtilityCall(call_id, method, list(args)))
+        self.client.call_utility(UtilityCall(call_id, args))
         return await future
 
     def _from_engine(self, batch: EngineCoreOutputs) -> None:
@@ -282,12 +301,8 @@ class AsyncLLM:
                 continue
             if result.error is None:
                 future.set_result(result.result)
-            elif result.error_type in ("ValueError", "TypeError"):
-                future.set_exception(ValueError(result.error))
-            elif result.error_type == "EngineStateError":
-                future.set_exception(EngineStateError(result.error))
             else:
-                future.set_exception(RuntimeError(result.error))
+                future.set_exception(raised_error(result.error))
 
     def _fail_all(self, error: BaseException) -> None:
         self._dead = error
@@ -297,3 +312,12 @@ class AsyncLLM:
             if not future.done():
                 future.set_exception(error)
         self._calls.clear()
+
+
+def raised_error(error: CallError) -> Exception:
+    """The exception a refused call raises in the caller, from its typed form."""
+    if error.kind == "invalid":
+        return InvalidArgument(error.field, error.message)
+    if error.kind == "state":
+        return EngineStateError(error.message)
+    return RuntimeError(error.message)

@@ -1,4 +1,7 @@
-"""EngineCore: owns the scheduler and the model runner; one `step()` is one batch."""
+"""EngineCore: owns the scheduler and the model runner; one `step()` is one batch.
+
+Control-call arguments arrive validated (verbs.py); the core refuses only what its state
+does not allow (EngineStateError) or what only it can check (a checkpoint, a channel)."""
 
 from __future__ import annotations
 
@@ -20,22 +23,15 @@ from hotswap.engine.sleep import (
     SCHEDULING,
     WEIGHTS,
     SleepState,
-    check_sleep_level,
-    check_wake_tags,
     tags_for_level,
 )
 from hotswap.engine.weight_sync import WeightApplyError, WeightSync
+from hotswap.engine.worker import WorkerExtension, load_extension_class
+from hotswap.errors import InvalidArgument
 from hotswap.model.runner import ModelRunner, RunnerOutput
 from hotswap.model.sampler import TokenLogprobs
 
-PAUSE_MODES = ("abort", "wait", "keep")
 DEFAULT_WEIGHT_LABEL = "default"
-
-
-def check_pause_mode(mode: object) -> str:
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"mode: must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
-    return mode  # type: ignore[return-value]
 
 
 class EngineCore:
@@ -58,13 +54,18 @@ class EngineCore:
             config.allowed_weight_dirs,
         )
         self._digest: tuple[tuple[int, bool], str] | None = None  # cache key, digest
+        self.worker_extension: WorkerExtension | None = None
+        if config.worker_extension_cls is not None:
+            cls = load_extension_class(config.worker_extension_cls)
+            device, rank = torch.device(config.device), config.data_parallel_rank
+            self.worker_extension = WorkerExtension(cls, self.runner, device, rank)
 
     # -- inputs ---------------------------------------------------------------------------
     def validate_request(self, req: EngineCoreRequest) -> None:
         """Raise ValueError naming the problem; changes nothing."""
         check_prompt(req.prompt_token_ids, self.vocab_size, self.config.scheduler.max_model_len)
         if req.request_id in self.scheduler.requests:
-            raise ValueError(f"request_id: {req.request_id!r} is already in use")
+            raise InvalidArgument("request_id", f"request_id: {req.request_id!r} is already in use")
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate_request(req)
@@ -132,7 +133,6 @@ class EngineCore:
         """Enter the pause state for `mode` (never loosening a stricter one). Returns the
         outputs of requests aborted by `abort` mode; `pause_complete()` tells when the
         caller may return, and `finish_pause()` must run then."""
-        check_pause_mode(mode)
         outputs = self.abort_requests(list(self.scheduler.requests)) if mode == "abort" else []
         wanted = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
         self.scheduler.set_pause_state(max(self.scheduler.pause_state, wanted))
@@ -167,8 +167,6 @@ class EngineCore:
                 "sleep mode is not enabled: start the engine with enable_sleep_mode=True "
                 "(--enable-sleep-mode)"
             )
-        check_sleep_level(level)
-        check_pause_mode(mode)
         self._refuse_during_weight_round("sleep")
         if not self.sleep_state.is_sleeping:
             self.sleep_state.resume_on_wake = not self.is_paused()
@@ -195,7 +193,7 @@ class EngineCore:
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, object]:
         state = self.sleep_state
-        order = state.wake_order(check_wake_tags(tags))
+        order = state.wake_order(tags)
         for tag in order:
             if tag == WEIGHTS and not self.runner.residency.restore():
                 state.weights_missing = True
@@ -214,8 +212,6 @@ class EngineCore:
         """Reload every weight from a safetensors directory (all or nothing) and commit a
         new version; returns requests aborted by `max_weight_lag`. The loop runs this
         between steps, so no step sees a half-loaded model."""
-        if label is not None and (not isinstance(label, str) or not label):
-            raise ValueError(f"weight_version: must be a non-empty string, got {label!r}")
         self._refuse_while_weights_sleep("update_weights_from_disk")
         self._refuse_during_weight_round("update_weights_from_disk")
         try:
@@ -227,6 +223,13 @@ class EngineCore:
         return self.update_weight_version(label or model_dir)
 
     # -- weight transfer (DESIGN §4) --------------------------------------------------------
+    def leave_weight_transfer(self) -> bool:
+        """Leave the trainer's channel; True if there was one. Never mid-round."""
+        self._refuse_during_weight_round("leave_weight_transfer")
+        had = self.weight_sync.transfer is not None
+        self.weight_sync.drop_transfer()
+        return had
+
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
         self._refuse_while_weights_sleep("start_weight_update")
         self.weight_sync.start(is_checkpoint_format)
@@ -236,10 +239,6 @@ class EngineCore:
     ) -> list[EngineCoreOutput]:
         """Apply the round and commit version + 1 (`label`, or the current label). Returns
         requests aborted by `max_weight_lag`."""
-        if label is not None and (not isinstance(label, str) or not label):
-            raise ValueError(f"weight_version: must be a non-empty string, got {label!r}")
-        if not isinstance(abort, bool):
-            raise ValueError("abort: must be a boolean")
         checkpoint = (
             self.weight_sync.round is not None and self.weight_sync.round.is_checkpoint_format
         )
@@ -280,8 +279,6 @@ class EngineCore:
     def update_weight_version(self, label: str) -> list[EngineCoreOutput]:
         """Commit a new weight version (+1) under `label`; requests that would now lag more
         than their `max_weight_lag` behind their first token's version are aborted."""
-        if not isinstance(label, str) or not label:
-            raise ValueError(f"new_version: must be a non-empty string, got {label!r}")
         self.weight_version += 1
         self.weight_label = label
         self.scheduler.kv.weight_version = self.weight_version
@@ -289,6 +286,31 @@ class EngineCore:
 
     def get_weight_version(self) -> dict[str, int | str]:
         return {"version": self.weight_version, "label": self.weight_label}
+
+    def collective_rpc(self, method: str, args: list, kwargs: dict) -> object:
+        """Call a method of the worker extension (see worker.py)."""
+        if self.worker_extension is None:
+            raise InvalidArgument("method", "method: collective_rpc needs a worker extension: "
+                                  "start the engine with --worker-extension-cls")  # fmt: skip
+        return self.worker_extension.call(method, args, kwargs)
+
+    def set_weight_label(self, label: str) -> dict[str, int | str]:
+        """Rename the current weights; the version (and so provenance order) is unchanged."""
+        self.weight_label = label
+        return self.get_weight_version()
+
+    def weight_checksums(self) -> dict[str, str] | None:
+        """vLLM's per-tensor checksums: SHA-256 of each weight's bytes, keyed
+        `dp{rank}:pp0:pcp0:tp0:ep0:{name}` (one engine core is one dp rank, unsharded).
+        None while the weights sleep."""
+        if not self.runner.residency.resident:
+            return None
+        prefix = f"dp{self.config.data_parallel_rank}:pp0:pcp0:tp0:ep0:"
+        return {prefix + name: sha for name, sha in self.runner.weight_checksums().items()}
+
+    def weight_info(self) -> dict[str, object]:
+        """{version, label, digest} of the loaded weights (digest None while they sleep)."""
+        return {**self.get_weight_version(), "digest": self.weights_digest()}
 
     def committed_weights(self, digest: bool) -> dict[str, object]:
         """The answer to a finish: {version, label, digest}, taken in the same call as the
@@ -381,8 +403,9 @@ def _check_kv_capacity(num_blocks: int, config: EngineConfig) -> None:
     if capacity < max_len:
         # Name the knob the user sized the cache with (blocks, or the memory budget).
         knob = "num_kv_blocks" if config.cache.num_blocks is not None else "kv_cache_memory_bytes"
-        raise ValueError(
+        raise InvalidArgument(
+            knob,
             f"{knob}: the KV cache holds {capacity} tokens ({num_blocks} blocks of "
             f"{config.cache.block_size}), fewer than max_model_len={max_len}; give it more "
-            f"memory or lower max_model_len"
+            f"memory or lower max_model_len",
         )

@@ -8,7 +8,8 @@ sleeping a fixed time.
 Calls that wait on a trainer (joining a transfer group, receiving a chunk of weights) run
 on a worker thread, so the loop keeps answering everything else (health checks, pause,
 stats, new requests) meanwhile. Calls that touch the weights or the transfer channel wait
-behind them, in order. No step runs while a chunk is received: the round is open.
+behind them, in order (verbs.py declares which verb does which). No step runs while a
+chunk is received: the round is open.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hotswap.engine import verbs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.handlers import HANDLERS, Deferred
 from hotswap.engine.messages import (
+    CallError,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -47,22 +51,6 @@ class InputKind(enum.IntEnum):
     UTILITY = 2
     SHUTDOWN = 3
     BACKGROUND_DONE = 4  # internal: a call run on the worker thread has finished
-
-
-# Run on the worker thread: they block on the trainer, not on the engine.
-BACKGROUND_CALLS = frozenset({"init_weight_transfer_engine", "update_weights"})
-# Wait (in arrival order) while a background call runs: they use the weights or the channel.
-# While an init waits for the trainer's group (a rendezvous, possibly with a wrong address),
-# they are refused at once instead (409), except an abort, which cancels the init.
-WAIT_FOR_BACKGROUND = BACKGROUND_CALLS | {
-    "start_weight_update",
-    "prepare_weight_update",
-    "finish_weight_update",
-    "load_weights_from_disk",
-    "sleep",
-    "wake_up",
-    "get_world_size",
-}
 
 
 @dataclass
@@ -152,9 +140,10 @@ class EngineCoreLoop:
 
     # -- control calls ----------------------------------------------------------------------
     def _call(self, call: UtilityCall) -> None:
-        if call.method in WAIT_FOR_BACKGROUND and self.joining is not None:
+        behind_channel = verbs.verb_of(call.args).behind_channel
+        if behind_channel and self.joining is not None:
             self._call_while_joining(call)
-        elif call.method in WAIT_FOR_BACKGROUND and (self.background_busy or self.deferred):
+        elif behind_channel and (self.background_busy or self.deferred):
             self.deferred.append(call)
         else:
             self._dispatch(call)
@@ -165,10 +154,10 @@ class EngineCoreLoop:
         left when it returns); the world size is answered; every other weight call is
         refused (409)."""
         assert self.joining is not None
-        if call.method == "get_world_size":  # the workers behind this core: known already
+        if isinstance(call.args, verbs.GetWorldSize):  # the workers behind this core: known
             self._dispatch(call)
             return
-        if call.method == "finish_weight_update" and len(call.args) > 1 and call.args[1] is True:
+        if isinstance(call.args, verbs.FinishWeightUpdate) and call.args.abort:
             if not self.join_cancelled:
                 self.join_cancelled = True
                 self.core.weight_sync.join_cancel.set()
@@ -176,41 +165,53 @@ class EngineCoreLoop:
                     "init_weight_transfer_engine: cancelled by finish_weight_update(abort=True)"
                 )
                 self._answer(self.joining.call_id, error=error)
-            self._answer(call.call_id, {**self.core.get_weight_version(), "digest": None})
+            self._answer(call.call_id, self.core.committed_weights(digest=False))
             return
         state = "is being cancelled" if self.join_cancelled else "is waiting for the trainer"
         self._answer(
             call.call_id,
             error=EngineStateError(
-                f"{call.method}: init_weight_transfer_engine {state}; retry once it returns, "
+                f"{call.verb}: init_weight_transfer_engine {state}; retry once it returns, "
                 f"or cancel it with finish_weight_update(abort=True)"
             ),
         )
 
     def _dispatch(self, call: UtilityCall) -> None:
-        handler = getattr(self, f"_call_{call.method}", None)
-        if handler is None:
-            self._answer(call.call_id, error=ValueError(f"method: unknown {call.method!r}"))
-        elif call.method in BACKGROUND_CALLS:
+        if verbs.verb_of(call.args).on_worker:
             self.background_busy = True
-            if call.method == "init_weight_transfer_engine":
+            if isinstance(call.args, verbs.InitWeightTransfer):
                 self.joining, self.join_cancelled = call, False
                 self.core.weight_sync.join_cancel = threading.Event()
             threading.Thread(
                 target=self._run_in_background,
-                args=(handler, call),
-                name=f"hotswap-{call.method}",
+                args=(call,),
+                name=f"hotswap-{call.verb}",
                 daemon=True,
             ).start()
+            return
+        result, error = self._invoke(call)
+        if isinstance(result, Deferred):
+            self.pending.append(PendingPause(call.call_id, result.complete))
         else:
-            result, error = _invoke(handler, call)
-            if result is not _PENDING or error is not None:
-                self._answer(call.call_id, result, error)
+            self._answer(call.call_id, result, error)
 
-    def _run_in_background(self, handler: Callable[..., object], call: UtilityCall) -> None:
-        outcome: tuple[object, Exception | None] = (None, RuntimeError(f"{call.method} died"))
+    def _invoke(self, call: UtilityCall) -> tuple[object, Exception | None]:
+        """(answer, None) or (None, the error to answer with). Outputs a call produced
+        (requests it aborted) are queued ahead of its answer."""
         try:
-            outcome = _invoke(handler, call)
+            return HANDLERS[call.verb](self.core, call.args, self.outputs), None
+        except (ValueError, TypeError, EngineStateError) as e:
+            return None, e
+        except Exception as e:  # noqa: BLE001
+            # Control calls validate before they change anything, so a failure is the
+            # caller's error, not the engine's death.
+            logger.exception("control call %s failed", call.verb)
+            return None, e
+
+    def _run_in_background(self, call: UtilityCall) -> None:
+        outcome: tuple[object, Exception | None] = (None, RuntimeError(f"{call.verb} died"))
+        try:
+            outcome = self._invoke(call)
         finally:  # always report back, or the calls waiting behind it would wait forever
             self.inbox.put((InputKind.BACKGROUND_DONE, (call, *outcome)))
 
@@ -226,76 +227,6 @@ class EngineCoreLoop:
         while self.deferred and not self.background_busy:
             self._dispatch(self.deferred.popleft())
 
-    def _call_pause(self, call: UtilityCall, mode: str, clear_cache: bool) -> object:
-        if not isinstance(clear_cache, bool):
-            raise ValueError(f"clear_cache: must be a boolean, got {clear_cache!r}")
-        self.outputs.extend(self.core.pause(mode, clear_cache))
-        self.pending.append(PendingPause(call.call_id, lambda: self.core.finish_pause(clear_cache)))
-        return _PENDING
-
-    def _call_sleep(self, call: UtilityCall, level: int, mode: str) -> object:
-        self.outputs.extend(self.core.sleep(level, mode))
-        self.pending.append(PendingPause(call.call_id, lambda: self.core.finish_sleep(level)))
-        return _PENDING
-
-    def _call_wake_up(self, call: UtilityCall, tags: list[str] | None) -> dict:
-        return self.core.wake_up(tags)
-
-    def _call_is_sleeping(self, call: UtilityCall) -> bool:
-        return self.core.sleep_state.is_sleeping
-
-    def _call_load_weights_from_disk(
-        self, call: UtilityCall, model_path: str, label: str | None
-    ) -> dict:
-        self.outputs.extend(self.core.load_weights_from_disk(model_path, label))
-        return self.core.get_weight_version()
-
-    def _call_init_weight_transfer_engine(self, call: UtilityCall, init_info: dict) -> None:
-        self.core.weight_sync.init(init_info)
-
-    def _call_start_weight_update(self, call: UtilityCall, is_checkpoint_format: bool) -> None:
-        self.core.start_weight_update(is_checkpoint_format)
-
-    def _call_update_weights(self, call: UtilityCall, update_info: dict) -> int:
-        return self.core.weight_sync.update(update_info)
-
-    def _call_prepare_weight_update(self, call: UtilityCall) -> int:
-        return self.core.weight_sync.prepare()
-
-    def _call_finish_weight_update(
-        self, call: UtilityCall, label: str | None, abort: bool, digest: bool = False
-    ) -> dict:
-        self.outputs.extend(self.core.finish_weight_update(label, abort))
-        return self.core.committed_weights(digest and not abort)
-
-    def _call_get_world_size(self, call: UtilityCall) -> int:
-        transfer = self.core.weight_sync.transfer
-        return transfer.world_size() if transfer is not None else 1
-
-    def _call_get_weight_info(self, call: UtilityCall) -> dict:
-        return {**self.core.get_weight_version(), "digest": self.core.weights_digest()}
-
-    def _call_resume(self, call: UtilityCall) -> None:
-        self.core.resume()
-
-    def _call_is_paused(self, call: UtilityCall) -> bool:
-        return self.core.is_paused()
-
-    def _call_reset_prefix_cache(
-        self, call: UtilityCall, reset_running_requests: bool = False
-    ) -> int:
-        return self.core.reset_prefix_cache(reset_running_requests)
-
-    def _call_update_weight_version(self, call: UtilityCall, label: str) -> dict:
-        self.outputs.extend(self.core.update_weight_version(label))
-        return self.core.get_weight_version()
-
-    def _call_get_weight_version(self, call: UtilityCall) -> dict:
-        return self.core.get_weight_version()
-
-    def _call_get_stats(self, call: UtilityCall) -> dict:
-        return self.core.get_stats()
-
     def _complete_pauses(self) -> None:
         if not self.pending or not self.core.pause_complete():
             return
@@ -307,9 +238,7 @@ class EngineCoreLoop:
         if error is None:
             self.results.append(UtilityResult(call_id, result=result))
         else:
-            self.results.append(
-                UtilityResult(call_id, error=str(error), error_type=type(error).__name__)
-            )
+            self.results.append(UtilityResult(call_id, error=call_error(error)))
 
     def _flush(self) -> None:
         if self.outputs or self.results:
@@ -323,17 +252,10 @@ class EngineCoreLoop:
                 time.sleep(ANSWER_YIELD_S)
 
 
-_PENDING = object()
-
-
-def _invoke(handler: Callable[..., object], call: UtilityCall) -> tuple[object, Exception | None]:
-    """(result, None) or (None, the error to answer with)."""
-    try:
-        return handler(call, *call.args), None
-    except (ValueError, TypeError, EngineStateError) as e:
-        return None, e
-    except Exception as e:  # noqa: BLE001
-        # Control calls validate before they change anything, so a failure is the
-        # caller's error, not the engine's death.
-        logger.exception("control call %s failed", call.method)
-        return None, e
+def call_error(error: Exception) -> CallError:
+    """The typed form of an exception a call raised, as it crosses to the caller."""
+    if isinstance(error, EngineStateError):
+        return CallError("state", str(error))
+    if isinstance(error, (ValueError, TypeError)):
+        return CallError("invalid", str(error), getattr(error, "field", None))
+    return CallError("internal", f"{type(error).__name__}: {error}")

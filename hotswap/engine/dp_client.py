@@ -3,7 +3,7 @@ model copy and KV cache, behind one front-end.
 
 - A new request goes to the rank with the fewest unfinished requests; its aborts follow it.
 - Every control call goes to every rank and is answered once all have answered, with the
-  results merged (counts summed; otherwise rank 0's answer, or the first rank's error).
+  results merged as its verb declares (verbs.Merge), or the first rank's error.
   Outputs a rank produced before its answer are delivered before the merged answer, so
   pause keeps its contract across ranks.
 - For a broadcast weight transfer the ranks are workers `rank_offset + i`: the trainer's
@@ -19,8 +19,10 @@ import threading
 from collections import defaultdict
 
 from hotswap.config import EngineArgs
+from hotswap.engine import verbs
 from hotswap.engine.core_client import EngineCoreClient, MPEngineClient, OutputHandler
 from hotswap.engine.messages import (
+    CallError,
     EngineCoreOutputs,
     EngineCoreRequest,
     UtilityCall,
@@ -28,9 +30,6 @@ from hotswap.engine.messages import (
 )
 from hotswap.weight_transfer.engine import shift_rank_offset
 
-# Summed across ranks (other numbers: see _merge_stats); true if true on any rank.
-_SUMMED_RESULTS = frozenset({"get_world_size", "reset_prefix_cache"})
-_ANY_RESULTS = frozenset({"is_paused", "is_sleeping"})
 _MAX_STATS = frozenset({"weight_version", "sleep_level", "step_ms_p50", "step_ms_p99"})
 
 
@@ -91,9 +90,9 @@ class DPEngineClient(EngineCoreClient):
     def call_utility(self, call: UtilityCall) -> None:
         with self.lock:
             self.answers[call.call_id] = [None] * len(self.ranks)
-            self.methods[call.call_id] = call.method
+            self.methods[call.call_id] = call.verb
         for index, rank in enumerate(self.ranks):
-            rank.call_utility(UtilityCall(call.call_id, call.method, _args_for(call, index)))
+            rank.call_utility(UtilityCall(call.call_id, _args_for(call.args, index)))
 
     def shutdown(self) -> None:
         for rank in self.ranks:
@@ -135,11 +134,10 @@ class DPEngineClient(EngineCoreClient):
         self.on_outputs(EngineCoreOutputs(engine_error=f"rank {index}: {error}"))
 
 
-def _args_for(call: UtilityCall, rank: int) -> list:
+def _args_for(args: verbs.Args, rank: int) -> verbs.Args:
     """Rank `rank` joins a broadcast group as worker rank_offset + rank."""
-    args = list(call.args)
-    if call.method == "init_weight_transfer_engine" and args and isinstance(args[0], dict):
-        return [shift_rank_offset(args[0], rank)]
+    if isinstance(args, verbs.InitWeightTransfer):
+        return verbs.InitWeightTransfer(init_info=shift_rank_offset(args.init_info, rank))
     return args
 
 
@@ -149,29 +147,43 @@ def _merge_safely(method: str, results: list[UtilityResult]) -> UtilityResult:
     try:
         return _merge(method, results)
     except Exception as e:  # noqa: BLE001
-        return UtilityResult(results[0].call_id, error=f"merging the ranks' answers to "
-                             f"{method} failed: {e}", error_type="RuntimeError")  # fmt: skip
+        message = f"merging the ranks' answers to {method} failed: {e}"
+        return UtilityResult(results[0].call_id, error=CallError("internal", message))
 
 
 def _merge(method: str, results: list[UtilityResult]) -> UtilityResult:
     for rank, result in enumerate(results):
         if result.error is not None:
-            return UtilityResult(result.call_id, error=f"rank {rank}: {result.error}",
-                                 error_type=result.error_type)  # fmt: skip
+            error = result.error
+            message = f"rank {rank}: {error.message}"
+            return UtilityResult(result.call_id, error=CallError(error.kind, message, error.field))
     first = results[0]
     values = [r.result for r in results]
-    if method in _SUMMED_RESULTS:
+    merge = verbs.VERBS[method].merge
+    if merge == verbs.Merge.SUM:
         return UtilityResult(first.call_id, result=sum(values))
-    if method in _ANY_RESULTS:
+    if merge == verbs.Merge.ANY:
         return UtilityResult(first.call_id, result=any(values))
-    if method == "get_stats":
+    if merge == verbs.Merge.STATS:
         return UtilityResult(first.call_id, result=_merge_stats(values))
-    digested = method in ("get_weight_info", "finish_weight_update")
-    if digested and len({v.get("digest") for v in values}) > 1:
-        # Ranks must hold the same weights; say so rather than report rank 0's digest.
-        info = {**values[0], "digest": None, "rank_digests": [v.get("digest") for v in values]}
-        return UtilityResult(first.call_id, result=info)
+    if merge == verbs.Merge.PER_RANK:  # each rank answers a list of its own
+        return UtilityResult(first.call_id, result=[item for value in values for item in value])
+    if merge == verbs.Merge.DIGEST:
+        return UtilityResult(first.call_id, result=_merge_digests(values))
     return first
+
+
+def _merge_digests(values: list[dict]) -> dict:
+    """Rank 0's weight info; ranks must hold the same weights, so a digest they disagree
+    on is reported per rank (and the digest as null). Per-tensor checksums are keyed by
+    rank already: their union."""
+    info = dict(values[0])
+    if len({v.get("digest") for v in values}) > 1:
+        info["digest"] = None
+        info["rank_digests"] = [v.get("digest") for v in values]
+    if any(isinstance(v.get("checksums"), dict) for v in values):
+        info["checksums"] = {k: h for v in values for k, h in (v.get("checksums") or {}).items()}
+    return info
 
 
 def _merge_stats(stats: list[dict]) -> dict:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from hotswap.errors import InvalidArgument
+
+__all__ = ["EngineDeadError", "EngineStateError", "InvalidArgument"]
+
 
 class EngineDeadError(RuntimeError):
     """The engine core stopped; every pending stream and call fails with this."""

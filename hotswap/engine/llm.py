@@ -12,9 +12,11 @@ from tqdm import tqdm
 
 from hotswap.config import EngineArgs
 from hotswap.engine.core import EngineCore
+from hotswap.engine.handlers import run_now
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import Prompt, encode_prompt, prompt_cache_salt
+from hotswap.engine.verbs import make_args
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -82,41 +84,62 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def reset_prefix_cache(self) -> int:
-        return self.engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
+        return self.call("reset_prefix_cache", reset_running_requests=reset_running_requests)
+
+    # -- control verbs (verbs.py); the named methods below are `call` with their arguments --
+    def call(self, verb: str, **arguments: Any) -> Any:
+        """Invoke a control verb by name, between two `generate` calls (nothing is in
+        flight then, so a pause or sleep completes at once). Refused arguments raise
+        InvalidArgument naming the field; outputs the verb produced are discarded (no
+        request outlives `generate`)."""
+        result, _ = run_now(self.engine, make_args(verb, arguments))
+        return result
+
+    def collective_rpc(
+        self, method: str, args: tuple | list = (), kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Call `method` of the worker extension (`worker_extension_cls`); one result."""
+        return self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
 
     # -- weights (DESIGN §4): the four phases, a version label, what is loaded ------------
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.engine.weight_sync.init(init_info)
+        self.call("init_weight_transfer_engine", init_info=init_info)
 
     def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self.engine.start_weight_update(is_checkpoint_format)
+        self.call("start_weight_update", is_checkpoint_format=is_checkpoint_format)
 
     def update_weights(self, update_info: dict[str, Any]) -> int:
-        return self.engine.weight_sync.update(update_info)
+        return self.call("update_weights", update_info=update_info)
 
     def prepare_weight_update(self) -> int:
         """Check the open round as `finish` would, without applying (see AsyncLLM)."""
-        return self.engine.weight_sync.prepare()
+        return self.call("prepare_weight_update")
 
     def finish_weight_update(
         self, weight_version: str | None = None, abort: bool = False, digest: bool = False
     ) -> dict[str, Any]:
         """Commit the round (see AsyncLLM); returns {version, label, digest}."""
-        self.engine.finish_weight_update(weight_version, abort)
-        return self.engine.committed_weights(digest and not abort)
+        return self.call(
+            "finish_weight_update", weight_version=weight_version, abort=abort, digest=digest
+        )
 
     def update_weight_version(self, label: str) -> dict[str, Any]:
-        self.engine.update_weight_version(label)
-        return self.engine.get_weight_version()
+        return self.call("update_weight_version", label=label)
 
     def get_world_size(self) -> int:
         """Receiving workers behind this engine (a broadcast group is this + 1)."""
-        transfer = self.engine.weight_sync.transfer
-        return transfer.world_size() if transfer is not None else 1
+        return self.call("get_world_size")
 
     def get_weight_info(self) -> dict[str, Any]:
-        return {**self.engine.get_weight_version(), "digest": self.engine.weights_digest()}
+        return self.call("get_weight_info")
+
+    def load_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> dict[str, Any]:
+        return self.call(
+            "load_weights_from_disk", model_path=model_path, weight_version=weight_version
+        )
 
     # -- internals ------------------------------------------------------------------------
     def _add(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from hotswap.engine.verbs import AnyArgs, verb_name
 from hotswap.sampling_params import SamplingParams
 
 
@@ -48,18 +49,30 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
 
 
 class UtilityCall(msgspec.Struct):
-    """A control call (pause, resume, versions, ...) answered by `call_id`."""
+    """A control call answered by `call_id`: one declared verb's arguments (verbs.py)."""
 
     call_id: int
-    method: str
-    args: list = []
+    args: AnyArgs
+
+    @property
+    def verb(self) -> str:
+        return verb_name(self.args)
+
+
+class CallError(msgspec.Struct, omit_defaults=True):
+    """Why a call was refused, typed across the process boundary: `invalid` (the caller's
+    input; `field` names the argument), `state` (not allowed in the engine's current
+    state) or `internal` (the engine failed)."""
+
+    kind: str
+    message: str
+    field: str | None = None
 
 
 class UtilityResult(msgspec.Struct, omit_defaults=True):
     call_id: int
     result: object = None
-    error: str | None = None
-    error_type: str | None = None  # "ValueError" for refused input, else an engine error
+    error: CallError | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from hotswap.detokenizer import IncrementalDetokenizer
 from hotswap.engine.messages import EngineCoreOutput, TokenLogprobsMsg
+from hotswap.errors import InvalidArgument
 from hotswap.outputs import (
     CompletionOutput,
     Logprob,
@@ -79,7 +80,7 @@ class OutputProcessor:
     ) -> list[tuple[str, SamplingParams]]:
         """Register a request; returns the (child id, params) pairs the engine must run."""
         if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidArgument("request_id", f"request_id: {request_id!r} is already in use")
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, [])
         children = []
         for index in range(params.n):

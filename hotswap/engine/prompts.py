@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hotswap.errors import InvalidArgument
 from hotswap.tokenizer import Tokenizer
 
 # A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}, either dict
@@ -16,7 +17,7 @@ def prompt_cache_salt(prompt: Prompt) -> str | None:
     of the same salt (None shares with other unsalted requests)."""
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
     if salt is not None and (not isinstance(salt, str) or not salt):
-        raise ValueError(f"cache_salt: must be a non-empty string, got {salt!r}")
+        raise InvalidArgument("cache_salt", f"cache_salt: must be a non-empty string, got {salt!r}")
     return salt
 
 
@@ -29,26 +30,30 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> tuple[str | None, lis
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if "prompt" in prompt:
             return encode_prompt(tokenizer, prompt["prompt"])
-        raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        raise InvalidArgument(
+            "prompt", "prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'"
+        )
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         return None, list(prompt)
-    raise ValueError(f"prompt: unsupported type {type(prompt).__name__}")
+    raise InvalidArgument("prompt", f"prompt: unsupported type {type(prompt).__name__}")
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
     """Raise ValueError naming the problem; changes nothing."""
     if not ids:
-        raise ValueError("prompt: must contain at least one token")
+        raise InvalidArgument("prompt", "prompt: must contain at least one token")
     bad = next((t for t in ids if not (_is_int(t) and 0 <= t < vocab_size)), None)
     if bad is not None:
-        raise ValueError(
+        raise InvalidArgument(
+            "prompt_token_ids",
             f"prompt_token_ids: token id {bad!r} is outside the vocabulary "
-            f"(integers 0..{vocab_size - 1})"
+            f"(integers 0..{vocab_size - 1})",
         )
     if len(ids) >= max_model_len:
-        raise ValueError(
+        raise InvalidArgument(
+            "prompt",
             f"prompt: {len(ids)} tokens is too long for max_model_len={max_model_len} "
-            f"(at least one token must fit after it)"
+            f"(at least one token must fit after it)",
         )
 
 

@@ -7,26 +7,8 @@ from dataclasses import dataclass, field
 
 from hotswap.engine.errors import EngineStateError
 
-SLEEP_LEVELS = (0, 1, 2)
 WEIGHTS, KV_CACHE, SCHEDULING = "weights", "kv_cache", "scheduling"
 SLEEP_TAGS = (WEIGHTS, KV_CACHE, SCHEDULING)
-
-
-def check_sleep_level(level: object) -> int:
-    if not isinstance(level, int) or isinstance(level, bool) or level not in SLEEP_LEVELS:
-        raise ValueError(f"level: must be 0, 1 or 2, got {level!r}")
-    return level
-
-
-def check_wake_tags(tags: object) -> list[str] | None:
-    if tags is None:
-        return None
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise ValueError(f"tags: must be a list of strings, got {tags!r}")
-    unknown = [t for t in tags if t not in SLEEP_TAGS]
-    if unknown:
-        raise ValueError(f"tags: unknown {unknown}; choose from {', '.join(SLEEP_TAGS)}")
-    return tags
 
 
 def tags_for_level(level: int) -> set[str]:

@@ -23,13 +23,11 @@ import torch
 from torch import nn
 
 from hotswap.engine.errors import EngineStateError
+from hotswap.errors import InvalidArgument
+from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
-from hotswap.weight_transfer.engine import (
-    WeightTransferConfig,
-    WeightTransferEngine,
-    create_transfer_engine,
-    get_backend,
-)
+from hotswap.weight_transfer.config import WeightTransferConfig
+from hotswap.weight_transfer.engine import WeightTransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +86,7 @@ class WeightSync:
         if self.round_open:
             raise EngineStateError("init_weight_transfer_engine: a round is open; finish it")
         if not isinstance(init_info, dict):
-            raise ValueError("init_info: must be a JSON object")
+            raise InvalidArgument("init_info", "init_info: must be a JSON object")
         engine = self._confined(create_transfer_engine(config, self.device))
         engine.cancel = self.join_cancel
         if config.reuse_receive_buffers:
@@ -101,7 +99,7 @@ class WeightSync:
     def start(self, is_checkpoint_format: object = True) -> None:
         config = self._require_config()
         if not isinstance(is_checkpoint_format, bool):
-            raise ValueError("is_checkpoint_format: must be a boolean")
+            raise InvalidArgument("is_checkpoint_format", "is_checkpoint_format: must be a boolean")
         if self.round_open:
             raise EngineStateError(
                 "start_weight_update: a round is already open; call finish_weight_update first"
@@ -121,7 +119,7 @@ class WeightSync:
         if self.round is None or self.transfer is None:
             raise EngineStateError("update_weights: no round is open; call start_weight_update")
         if not isinstance(update_info, dict):
-            raise ValueError("update_info: must be a JSON object")
+            raise InvalidArgument("update_info", "update_info: must be a JSON object")
         self.round.last_call = time.monotonic()
         try:
             metas = self.transfer.parse_update_info(update_info)
@@ -142,7 +140,8 @@ class WeightSync:
                 with contextlib.suppress(ValueError):
                     _drain(self.transfer.receive_weights(update_info, metas))
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-                raise ValueError(problems[0] + more)
+                # What the chunk's update_info claims does not fit the model.
+                raise InvalidArgument("update_info", problems[0] + more)
             # Items are as the checked metas describe (the backend contract).
             for name, item in self.transfer.receive_weights(update_info, metas):
                 if isinstance(item, Delta):
@@ -202,6 +201,10 @@ class WeightSync:
             round_, self.round = self.round, None
             self._check_complete(round_)
             self._apply(round_)
+        except ValueError as e:
+            # `model_path` is the one argument: whatever its checkpoint fails (a file, a
+            # header, a shape, a missing weight) is reported as it.
+            raise InvalidArgument("model_path", str(e)) from e
         finally:
             self.round, self.transfer = None, configured
 
@@ -301,9 +304,10 @@ class WeightSync:
             shown = ", ".join(missing[:3]) + (
                 f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
             )
-            raise ValueError(
+            raise InvalidArgument(
+                None,  # the round as a whole, not one argument of the call
                 f"weights: the round does not cover every weight (missing weights for "
-                f"{shown}); nothing was applied"
+                f"{shown}); nothing was applied",
             )
 
     # -- apply ----------------------------------------------------------------------------

@@ -11,47 +11,28 @@ import logging
 import signal
 import socket
 import sys
-from dataclasses import dataclass
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
+from hotswap.entrypoints.dialects.areal import areal_router
+from hotswap.entrypoints.dialects.pipelinerl import pipelinerl_router
+from hotswap.entrypoints.dialects.prime_rl import prime_rl_router
+from hotswap.entrypoints.dialects.sglang import sglang_router
+from hotswap.entrypoints.dialects.sglang_generate import sglang_generate_router
+from hotswap.entrypoints.dialects.sglang_weights import sglang_weights_router
+from hotswap.entrypoints.dialects.trl import trl_router
+from hotswap.entrypoints.dialects.vllm import vllm_router
 from hotswap.entrypoints.errors import error_response, install_error_handlers
-from hotswap.entrypoints.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, HTTPGuard
+from hotswap.entrypoints.limits import HTTPGuard
 from hotswap.entrypoints.metrics import ServerMetrics
+from hotswap.entrypoints.openai.routes import openai_router
+from hotswap.entrypoints.state import ServerConfig, get_engine, get_metrics
 
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    enable_control: bool = False
-    enable_prompt_tokens_details: bool = False
-    log_level: str = "info"
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
-    # vLLM's flag: a chat template sent in a request is code the server runs.
-    trust_request_chat_template: bool = False
-    # vLLM's --return-tokens-as-token-ids: logprob tokens as "token_id:N" on every request
-    return_tokens_as_token_ids: bool = False
-
-
-def get_engine(request: Request) -> AsyncLLM:
-    return request.app.state.engine
-
-
-def get_server_config(request: Request) -> ServerConfig:
-    return request.app.state.server_config
-
-
-def get_metrics(request: Request) -> ServerMetrics:
-    return request.app.state.metrics
 
 
 basic_router = APIRouter()
@@ -74,10 +55,6 @@ async def metrics(request: Request) -> Response:
 
 
 def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
-    from hotswap.entrypoints.control import control_router, sglang_router
-    from hotswap.entrypoints.openai.routes import openai_router
-    from hotswap.entrypoints.weights import weights_router
-
     app = FastAPI(title="hotswap", version="0.1.0")
     app.state.engine = engine
     app.state.server_config = config
@@ -88,10 +65,15 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     )
     app.include_router(basic_router)
     app.include_router(openai_router)
+    app.include_router(sglang_generate_router)  # SGLang serves /generate without a flag
+    app.include_router(trl_router)  # its weight routes check --enable-control
     if config.enable_control:
-        app.include_router(control_router)
+        app.include_router(vllm_router)
         app.include_router(sglang_router)
-        app.include_router(weights_router)
+        app.include_router(sglang_weights_router)
+        app.include_router(prime_rl_router)
+        app.include_router(pipelinerl_router)
+        app.include_router(areal_router)
     return app
 
 

@@ -105,6 +105,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow /sleep: offload or drop weights and free the KV cache",
     )
+    group.add_argument(
+        "--worker-extension-cls",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="a class whose public methods /collective_rpc may call inside the engine "
+        "(vLLM's flag; 'module.Class' also accepted)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -185,6 +192,12 @@ def add_limit_args(group: argparse._ArgumentGroup) -> None:
         help="accept a chat_template in requests (code the server runs); refused otherwise",
     )
     group.add_argument(
+        "--reject-unknown-fields",
+        action="store_true",
+        help="refuse request fields the OpenAI routes do not know (400 naming the field); "
+        "by default they are ignored with a logged warning, as vLLM does",
+    )
+    group.add_argument(
         "--allowed-master-addresses",
         nargs="+",
         default=None,
@@ -198,7 +211,8 @@ def run_serve(args: argparse.Namespace) -> None:
     import os
 
     from hotswap.default_model import DEFAULT_MODEL_NAME
-    from hotswap.entrypoints.api_server import ServerConfig, run_server
+    from hotswap.entrypoints.api_server import run_server
+    from hotswap.entrypoints.state import ServerConfig
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"model: given twice ({args.model_tag!r} and --model {args.model!r})")
@@ -216,6 +230,7 @@ def run_serve(args: argparse.Namespace) -> None:
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
+        reject_unknown_fields=args.reject_unknown_fields,
     )
     if args.max_request_body_bytes < 1:
         raise ValueError("--max-request-body-bytes: must be at least 1")
@@ -249,7 +264,7 @@ def with_allowed_masters(config: str | None, addresses: list[str]) -> str:
     """--weight-transfer-config JSON with `allowed_master_addresses` set."""
     import json
 
-    from hotswap.weight_transfer.engine import parse_config_object
+    from hotswap.weight_transfer.config import parse_config_object
 
     if config is None:
         raise ValueError("--allowed-master-addresses: needs --weight-transfer-config")

@@ -9,6 +9,8 @@ import asyncio
 import functools
 import hmac
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -174,6 +176,61 @@ def check_json(value: Any, path: str = "body") -> None:
     if problem is not None:
         param, message = problem
         raise APIError(400, message, param)
+
+
+def printable_field(name: str, limit: int = 80) -> str:
+    """A request-supplied field name fit for a log line or an error body: lone surrogates
+    escaped (they cannot be encoded), at most `limit` characters."""
+    if not is_unicode(name):
+        name = name.encode("utf-8", "backslashreplace").decode("utf-8")
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
+class WarningThrottle:
+    """Keeps a warning that any request can cause (fields the server ignores) from flooding
+    the log: each key is logged at most once per `interval_s`, and at most
+    `max_per_interval` warnings are logged per `interval_s` in all (a client inventing new
+    field names on every request). Only the `max_keys` most recently logged keys are
+    remembered. Not thread-safe: called on the event loop."""
+
+    def __init__(
+        self,
+        interval_s: float = 60.0,
+        max_per_interval: int = 20,
+        max_keys: int = 1024,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.interval_s = interval_s
+        self.max_per_interval = max_per_interval
+        self.max_keys = max_keys
+        self._clock = clock
+        self._keys: OrderedDict[str, list[float | int]] = OrderedDict()  # [logged at, held]
+        self._window_start = float("-inf")
+        self._window_logged = 0
+        self._held_other = 0
+
+    def admit(self, key: str) -> tuple[int, int] | None:
+        """None: hold this warning back (it is counted). Otherwise log it, reporting the
+        returned (repeats of this key held back since its last warning, other warnings
+        held back by the overall cap since the last warning logged)."""
+        now = self._clock()
+        entry = self._keys.get(key)
+        if entry is not None and now - entry[0] < self.interval_s:
+            entry[1] += 1
+            return None
+        if now - self._window_start >= self.interval_s:
+            self._window_start, self._window_logged = now, 0
+        if self._window_logged >= self.max_per_interval:
+            self._held_other += 1
+            return None
+        self._window_logged += 1
+        held_same = int(entry[1]) if entry is not None else 0
+        held_other, self._held_other = self._held_other, 0
+        self._keys[key] = [now, 0]
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.max_keys:
+            self._keys.popitem(last=False)
+        return held_same, held_other
 
 
 def check_request_chat_template(request: Request, template: str | None, param: str) -> None:

@@ -2,7 +2,8 @@
 
 Engine gauges are read from one `get_stats()` snapshot per scrape (so a scrape sees one
 consistent state); token and request counters are kept by the front-end as outputs pass;
-pause/resume latencies are histograms observed by the control routes.
+pause/resume latencies are histograms observed by the control routes. The same state is
+also exported under vLLM's metric names (metrics_vllm.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hotswap.engine import verbs
 from hotswap.engine.async_llm import AsyncLLM
+from hotswap.entrypoints.metrics_vllm import WeightOperationMetrics, snapshot_families
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -82,6 +85,7 @@ class _EngineSnapshot(Collector):
         for reason, count in sorted(stats.get("finished_requests", {}).items()):
             finished.add_metric([self.model_name, reason], float(count))
         yield finished
+        yield from snapshot_families(stats, self.model_name)
 
 
 class ServerMetrics:
@@ -104,6 +108,17 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.weight_operations = WeightOperationMetrics(self.registry)
+
+    def observe_verb(self, args: verbs.Args, seconds: float, ok: bool = True) -> None:
+        """A control verb answered over HTTP after `seconds` (`ok`: not refused)."""
+        self.weight_operations.observe(args, ok)
+        if not ok:
+            return
+        if isinstance(args, verbs.Pause):
+            self.observe_pause(args.mode, seconds)
+        elif isinstance(args, verbs.Resume):
+            self.observe_resume(seconds)
 
     def observe_pause(self, mode: str, seconds: float) -> None:
         self.pause_latency.labels(self.model_name, mode).observe(seconds)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
 from hotswap.config import ModelConfig
+from hotswap.errors import InvalidArgument
 from hotswap.model.attention import AttentionBackend
 from hotswap.model.models.registry import get_model_class
+from hotswap.model.safetensors_io import iter_safetensors, num_tensors, safetensors_files
 
 
 def build_model(
@@ -39,7 +39,7 @@ def build_model(
 
 def load_checkpoint(model: nn.Module, model_dir: Path, progress: bool = True) -> None:
     files = safetensors_files(model_dir)
-    total = sum(_num_tensors(f) for f in files)
+    total = sum(num_tensors(f) for f in files)
     bar = tqdm(
         total=total, desc="Loading weights", unit="tensor", disable=not progress, leave=False
     )
@@ -50,30 +50,8 @@ def load_checkpoint(model: nn.Module, model_dir: Path, progress: bool = True) ->
     if missing:
         shown = ", ".join(model.checkpoint_name(name) for name in missing[:5])
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ValueError(f"weights: {model_dir} is missing weights for {shown}{more}")
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        with index.open() as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        files = [model_dir / name for name in names]
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"weights: no *.safetensors files in {model_dir}")
-    for path in files:
-        if not path.is_file():
-            raise FileNotFoundError(f"weights: {path} (listed in the index) does not exist")
-    return files
-
-
-def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                yield name, f.get_tensor(name)
+        # The checkpoint the caller named (EngineArgs.model) is incomplete.
+        raise InvalidArgument("model", f"weights: {model_dir} is missing weights for {shown}{more}")
 
 
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
@@ -89,11 +67,6 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             else:
                 values = torch.randn(param.shape, generator=generator) * 0.02
                 param.copy_(values)
-
-
-def _num_tensors(path: Path) -> int:
-    with safe_open(str(path), framework="pt") as f:
-        return len(f.keys())
 
 
 def _counting(

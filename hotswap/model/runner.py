@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hotswap.config import EngineConfig
-from hotswap.engine.request import Request
-from hotswap.engine.scheduler import ScheduledRequest, SchedulerOutput
+from hotswap.errors import InvalidArgument
 from hotswap.model.attention import (
     AttentionBackend,
     BatchInvariantAttention,
@@ -19,6 +18,7 @@ from hotswap.model.attention import (
 from hotswap.model.loader import build_model
 from hotswap.model.residency import WeightResidency
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs, top_logprobs
+from hotswap.model.step import ScheduledChunk, StepPlan, StepRequest
 
 # Prompt-logprob rows go through the LM head this many at a time (a row of fp32 logits is
 # vocab * 4 bytes: 200 KB for a 49k vocabulary).
@@ -84,9 +84,10 @@ class ModelRunner:
             return self.config.cache.num_blocks
         num = self.config.cache.kv_cache_memory_bytes // self.kv_bytes_per_block()
         if num < 1:
-            raise ValueError(
+            raise InvalidArgument(
+                "kv_cache_memory_bytes",
                 f"kv_cache_memory_bytes: {self.config.cache.kv_cache_memory_bytes} bytes hold "
-                f"no block ({self.kv_bytes_per_block()} bytes each)"
+                f"no block ({self.kv_bytes_per_block()} bytes each)",
             )
         return num
 
@@ -131,9 +132,17 @@ class ModelRunner:
                 digest.update(data.view(torch.uint8).numpy())
         return digest.hexdigest()
 
+    def weight_checksums(self) -> dict[str, str]:
+        """SHA-256 of each parameter's bytes, by name."""
+        sums = {}
+        for name, param in self.model.named_parameters():
+            data = param.detach().contiguous().cpu().reshape(-1)
+            sums[name] = hashlib.sha256(data.view(torch.uint8).numpy()).hexdigest()
+        return sums
+
     # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+    def execute(self, plan: StepPlan) -> RunnerOutput:
         # Decode rows first, by context length: they then form contiguous attention groups.
         items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, s.start))
         inputs = self._prepare(items)
@@ -167,7 +176,7 @@ class ModelRunner:
             for request_id, entry in zip(plan.request_ids[start : start + step], found):
                 out.prompt_logprobs.setdefault(request_id, []).append(entry)
 
-    def _prepare(self, items: list[ScheduledRequest]) -> StepInputs:
+    def _prepare(self, items: list[ScheduledChunk]) -> StepInputs:
         size = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -203,7 +212,7 @@ class ModelRunner:
 
 
 def _plan_prompt_rows(
-    plan: PromptLogprobRows, request: Request, start: int, end: int, first_row: int
+    plan: PromptLogprobRows, request: StepRequest, start: int, end: int, first_row: int
 ) -> None:
     """Rows of this chunk whose positions predict a prompt token not scored yet (a chunk
     recomputed after preemption skips those already scored)."""

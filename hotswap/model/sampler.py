@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hotswap.config import check_logprobs_mode
-from hotswap.engine.request import Request
+from hotswap.model.step import SamplingRequest
 
 
 @dataclass
@@ -40,7 +40,7 @@ class SamplerOutput:
 
 @dataclass
 class SamplingBatch:
-    requests: list[Request]
+    requests: list[SamplingRequest]
     greedy: torch.Tensor  # [R] bool
     temperature: torch.Tensor  # [R, 1]
     top_k: list[int]
@@ -51,7 +51,7 @@ class SamplingBatch:
 
     @classmethod
     def from_requests(
-        cls, requests: list[Request], device: torch.device | str = "cpu"
+        cls, requests: list[SamplingRequest], device: torch.device | str = "cpu"
     ) -> SamplingBatch:
         """Per-row settings as tensors on the logits' device."""
         params = [r.sampling_params for r in requests]
@@ -67,7 +67,7 @@ class SamplingBatch:
         )
 
 
-def _banned_tokens(request: Request) -> list[int]:
+def _banned_tokens(request: SamplingRequest) -> list[int]:
     params = request.sampling_params
     if request.num_output_tokens >= params.min_tokens:
         return []
@@ -156,7 +156,7 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, request: Request) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Tensor:
     """vLLM's (and OpenAI's) definitions on one row: a token seen in the prompt or the
     output has its logit divided by the repetition penalty if positive, else multiplied;
     then the output's count of it times the frequency penalty and, if it occurs at all,

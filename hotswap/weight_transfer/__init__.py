@@ -1,7 +1,8 @@
 """Weight transfer from a trainer into running engines (DESIGN §4).
 
-Public names are imported lazily: `hotswap.config` needs `WeightTransferConfig` while the
-backends themselves import model code that needs `hotswap.config`."""
+Public names are imported lazily: `hotswap.config` imports the leaf module
+`hotswap.weight_transfer.config`, which runs this file first; importing the backends here
+would pull every backend (torch.distributed, httpx) into each import of `hotswap.config`."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ _EXPORTS = {
     "WeightSource": "base",
     "ModuleSource": "base",
     "TensorSource": "base",
-    "WeightTransferConfig": "engine",
+    "WeightTransferConfig": "config",
     "WeightTransferEngine": "engine",
     "register_backend": "engine",
     "TrainerInitInfo": "trainer",
     "TrainerWeightTransferEngine": "trainer",
-    "WeightTransferTrainerFactory": "trainer",
+    "register_trainer": "trainer",
+    "WeightTransferTrainerFactory": "backends",
     "GlooTrainerInitInfo": "broadcast_trainer",
     "NCCLTrainerInitInfo": "broadcast_trainer",
     "IPCTrainerInitInfo": "ipc",

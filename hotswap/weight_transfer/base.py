@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hotswap.errors import InvalidArgument
+
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -32,13 +34,15 @@ _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 def dtype_name(dtype: torch.dtype) -> str:
     if dtype not in _NAMES:
-        raise ValueError(f"dtype: {dtype} cannot be transferred")
+        raise InvalidArgument("dtype", f"dtype: {dtype} cannot be transferred")
     return _NAMES[dtype]
 
 
 def parse_dtype_name(name: object, field: str = "dtype_names") -> torch.dtype:
     if not isinstance(name, str) or name.removeprefix("torch.") not in _DTYPES:
-        raise ValueError(f"{field}: unknown dtype {name!r}; choose from {', '.join(_DTYPES)}")
+        raise InvalidArgument(
+            field, f"{field}: unknown dtype {name!r}; choose from {', '.join(_DTYPES)}"
+        )
     return _DTYPES[name.removeprefix("torch.")]
 
 
@@ -86,30 +90,39 @@ def metas_to_update_info(metas: Sequence[ParamMeta]) -> dict[str, Any]:
 
 def metas_from_update_info(info: object) -> list[ParamMeta]:
     """The `names` / `dtype_names` / `shapes` lists of an update info, checked: equal
-    lengths, known dtypes, non-negative integer shapes. Raises ValueError naming the field."""
+    lengths, known dtypes, non-negative integer shapes. Raises InvalidArgument naming the field."""
     if not isinstance(info, dict):
-        raise ValueError("update_info: must be a JSON object")
+        raise InvalidArgument("update_info", "update_info: must be a JSON object")
     lists = {}
     for key in ("names", "dtype_names", "shapes"):
         value = info.get(key)
         if not isinstance(value, list):
-            raise ValueError(f"update_info.{key}: required, a list")
+            raise InvalidArgument(f"update_info.{key}", f"update_info.{key}: required, a list")
         lists[key] = value
     counts = {key: len(value) for key, value in lists.items()}
     if len(set(counts.values())) != 1:
-        raise ValueError(f"update_info: names, dtype_names and shapes differ in length {counts}")
+        raise InvalidArgument(
+            "update_info", f"update_info: names, dtype_names and shapes differ in length {counts}"
+        )
     metas = []
     for i, (name, dtype, shape) in enumerate(zip(*lists.values())):
         if not isinstance(name, str) or not name:
-            raise ValueError(f"update_info.names[{i}]: must be a non-empty string")
+            raise InvalidArgument(
+                f"update_info.names[{i}]", f"update_info.names[{i}]: must be a non-empty string"
+            )
         if not isinstance(shape, list) or not all(_is_size(s) for s in shape):
-            raise ValueError(f"update_info.shapes[{i}]: must be a list of sizes, got {shape!r}")
+            raise InvalidArgument(
+                f"update_info.shapes[{i}]",
+                f"update_info.shapes[{i}]: must be a list of sizes, got {shape!r}",
+            )
         dtype = parse_dtype_name(dtype, f"update_info.dtype_names[{i}]")
         metas.append(ParamMeta(name, dtype, tuple(shape)))
     names = [m.name for m in metas]
     if len(set(names)) != len(names):
         duplicate = next(n for n in names if names.count(n) > 1)
-        raise ValueError(f"update_info.names: {duplicate!r} appears twice")
+        raise InvalidArgument(
+            "update_info.names", f"update_info.names: {duplicate!r} appears twice"
+        )
     return metas
 
 

@@ -1,7 +1,8 @@
 """Broadcast over a torch.distributed group: the trainer is rank 0, engine workers are
-rank_offset + i. gloo on CPU, NCCL on CUDA, same code. Packed mode streams the tensors'
-bytes through rotating fixed-size buffers (packing the next while the last one is in
-flight); unpacked mode sends one tensor at a time.
+rank_offset + i (TRL's layout instead puts the trainer last: `trainer_rank`). gloo on CPU,
+NCCL on CUDA, same code. Packed mode streams the tensors' bytes through rotating
+fixed-size buffers (packing the next while the last one is in flight); unpacked mode sends
+one tensor at a time.
 
 The group is built from its own TCPStore (no global process group), so a trainer can keep
 its training groups and an engine can be re-initialised after a failure."""
@@ -21,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
 from hotswap.weight_transfer.packing import arena_meta, buffer_lengths, byte_view, pack, views
@@ -35,6 +37,7 @@ MAX_PORT = 65535
 MAX_WORLD_SIZE = 1 << 16
 MAX_BUFFER_BYTES = 1 << 36
 MAX_NUM_BUFFERS = 64
+MAX_GROUP_NAME_CHARS = 256
 PROBE_INTERVAL_S = 0.1
 
 
@@ -63,10 +66,13 @@ def join_group(
     device: torch.device,
     timeout_s: float,
     cancel: threading.Event | None = None,
+    group_name: str | None = None,
 ) -> dist.ProcessGroup:
     """Rank 0 hosts the store, listening on `address` only (never on every interface).
     Blocks until every rank has joined (or the timeout); the other ranks first wait for the
-    store to listen, a wait that `cancel` ends at once."""
+    store to listen, a wait that `cancel` ends at once. `group_name`: the group's keys are
+    laid out as torch's process-group helpers lay out a group of that name (see
+    `torch_group_store`), so a trainer that creates its group with them can be met."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         listener = _listen(address, port)
@@ -75,11 +81,29 @@ def join_group(
     else:
         _wait_for_store(address, port, timeout_s, cancel)
         store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    if group_name is not None:
+        store = torch_group_store(store, group_name, device)
+    group: dist.ProcessGroup
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout  # the watchdog's limit for a collective
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if group_name is not None:
+        group._set_sequence_number_for_group()  # as the helpers do (rank 0 publishes it)
+    return group
+
+
+def torch_group_store(store: dist.Store, group_name: str, device: torch.device) -> dist.Store:
+    """`store` as the backend of a group named `group_name` sees it when the group is made
+    the way SGLang's `init_custom_process_group` makes it (slime's and AReaL's trainers use
+    copies): the rendezvous store prefixed with the name, then torch's
+    `_new_process_group_helper` prefixes `{group_name}/` and the device type. Joining with
+    these keys meets such a trainer without torch's global group registry. The layout is
+    torch's (stable since 2.0; checked against the installed torch in the tests)."""
+    named = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
+    return dist.PrefixStore("cuda/" if device.type == "cuda" else "cpu/", named)
 
 
 def _listen(address: str, port: int) -> int:
@@ -97,7 +121,10 @@ def _listen(address: str, port: int) -> int:
             sock.close()
             raise
     except OSError as e:
-        raise ValueError(f"master_address: cannot listen on {address}:{port} ({e})") from None
+        # The trainer's side (rank 0): its GlooTrainerInitInfo.master_address.
+        raise InvalidArgument(
+            "master_address", f"master_address: cannot listen on {address}:{port} ({e})"
+        ) from None
     return sock.detach()  # the store owns and closes it
 
 
@@ -118,9 +145,10 @@ def _wait_for_store(
         if cancel is not None and cancel.is_set():
             raise RendezvousCancelled("init_weight_transfer_engine: cancelled")
         if time.monotonic() >= deadline:
-            raise ValueError(
+            raise InvalidArgument(
+                "init_info.master_port",
                 f"init_info.master_port: no store answered at {address}:{port} within "
-                f"{timeout_s:g} s ({error})"
+                f"{timeout_s:g} s ({error})",
             )
         if cancel is not None:
             cancel.wait(PROBE_INTERVAL_S)
@@ -133,7 +161,10 @@ def _int(
 ) -> int:
     value = info.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f"init_info.{key}: must be an integer in [{low}, {high}], got {value!r}")
+        raise InvalidArgument(
+            f"init_info.{key}",
+            f"init_info.{key}: must be an integer in [{low}, {high}], got {value!r}",
+        )
     return value
 
 
@@ -145,9 +176,10 @@ def _timeout(info: dict[str, Any]) -> float:
         or isinstance(timeout, bool)
         or not (0 < timeout <= MAX_TIMEOUT_S)
     ):
-        raise ValueError(
+        raise InvalidArgument(
+            "init_info.timeout_s",
             f"init_info.timeout_s: must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
-            f"got {timeout!r}"
+            f"got {timeout!r}",
         )
     return float(timeout)
 
@@ -156,10 +188,21 @@ class BroadcastChannel:
     """One side of the group; the same send/receive code runs on gloo and NCCL."""
 
     def __init__(
-        self, group: dist.ProcessGroup, device: torch.device, packed: bool, size: int, count: int
+        self,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        packed: bool,
+        size: int,
+        count: int,
+        src: int = 0,
+        typed: bool = False,
     ) -> None:
         self.group: dist.ProcessGroup | None = group
         self.device = device
+        self.src = src  # the sender's (trainer's) rank: 0, or the last in TRL's layout
+        # Unpacked, each tensor as one broadcast of its own dtype, empty ones included, as
+        # a torch-helper trainer (SGLang's protocol) sends them; otherwise as bytes.
+        self.typed = typed
         self.packed, self.buffer_size, self.num_buffers = packed, size, count
         # The sender's packing buffers, kept across rounds: packing into fresh memory costs
         # page faults (about twice as slow as into warm memory).
@@ -173,7 +216,7 @@ class BroadcastChannel:
     def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
         if self.group is None:
             raise RuntimeError("broadcast channel is closed")
-        return self.group.broadcast(tensor, 0)
+        return self.group.broadcast(tensor, self.src)
 
     def _buffers(self) -> list[torch.Tensor]:
         if not self._send_buffers:
@@ -186,7 +229,9 @@ class BroadcastChannel:
     def send(self, tensors: Sequence[torch.Tensor]) -> None:
         if not self.packed:
             for tensor in tensors:
-                if tensor.numel():
+                if self.typed:
+                    self._broadcast(tensor.to(self.device).contiguous()).wait()
+                elif tensor.numel():
                     self._broadcast(byte_view(tensor.to(self.device).contiguous())).wait()
             return
         buffers = self._buffers()
@@ -208,7 +253,9 @@ class BroadcastChannel:
             out = []
             for meta in metas:
                 tensor = allocate(meta)
-                if tensor.numel():
+                if self.typed:
+                    self._broadcast(tensor).wait()
+                elif tensor.numel():
                     self._broadcast(byte_view(tensor)).wait()
                 out.append((meta.name, tensor))
             self._synchronize()
@@ -235,7 +282,13 @@ class BroadcastChannel:
 class BroadcastEngine(WeightTransferEngine):
     """Worker side. init_info: master_address, master_port, rank_offset, world_size, and
     the trainer's wire settings (packed, packed_buffer_size_bytes, packed_num_buffers,
-    timeout_s)."""
+    timeout_s). `trainer_rank` (default 0) is the sender's rank; TRL's layout is
+    trainer_rank = world_size - 1 with workers from rank_offset 0, and rank 0 (then a
+    worker) hosts the store, listening on master_address. With `group_name`, the trainer
+    made the group with torch's process-group helpers under that name (SGLang's
+    init_weights_update_group protocol): the keys are theirs (`torch_group_store`) and every
+    tensor is one broadcast of its own dtype (unpacked: `packed` must be false, its default
+    then)."""
 
     backend: ClassVar[str] = "gloo"
 
@@ -246,24 +299,61 @@ class BroadcastEngine(WeightTransferEngine):
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         address = init_info.get("master_address")
         if not isinstance(address, str) or not address or len(address) > 255:
-            raise ValueError("init_info.master_address: required, a host name or address")
+            raise InvalidArgument(
+                "init_info.master_address",
+                "init_info.master_address: required, a host name or address",
+            )
         self.check_master_address(address)
         port = _int(init_info, "master_port", low=1, high=MAX_PORT)
         world_size = _int(init_info, "world_size", low=2, high=MAX_WORLD_SIZE)
-        rank = _int(init_info, "rank_offset", 1, low=1, high=MAX_WORLD_SIZE)
+        # TRL's layout puts the trainer last (workers 0..N-1): trainer_rank = world_size - 1.
+        trainer = _int(init_info, "trainer_rank", 0, low=0, high=world_size - 1)
+        first = 1 if trainer == 0 else 0
+        rank = _int(init_info, "rank_offset", first, low=first, high=MAX_WORLD_SIZE)
         if rank >= world_size:
-            raise ValueError(f"init_info.rank_offset: {rank} is outside world_size {world_size}")
-        packed = init_info.get("packed", True)
+            raise InvalidArgument(
+                "init_info.rank_offset",
+                f"init_info.rank_offset: {rank} is outside world_size {world_size}",
+            )
+        if rank == trainer:
+            raise InvalidArgument(
+                "init_info.rank_offset",
+                f"init_info.rank_offset: {rank} is the trainer's rank (trainer_rank)",
+            )
+        group_name = init_info.get("group_name")
+        if group_name is not None and (
+            not isinstance(group_name, str) or not 0 < len(group_name) <= MAX_GROUP_NAME_CHARS
+        ):
+            raise InvalidArgument(
+                "init_info.group_name",
+                f"init_info.group_name: must be a string of 1 to {MAX_GROUP_NAME_CHARS} "
+                f"characters, got {type(group_name).__name__}",
+            )
+        packed = init_info.get("packed", group_name is None)
         if not isinstance(packed, bool):
-            raise ValueError("init_info.packed: must be a boolean")
+            raise InvalidArgument("init_info.packed", "init_info.packed: must be a boolean")
+        if packed and group_name is not None:
+            raise InvalidArgument(
+                "init_info.packed",
+                "init_info.packed: a named group carries one broadcast per tensor; packed "
+                "must be false",
+            )
         size = _int(init_info, "packed_buffer_size_bytes", DEFAULT_BUFFER_BYTES, low=1,
                     high=MAX_BUFFER_BYTES)  # fmt: skip
         count = _int(init_info, "packed_num_buffers", DEFAULT_NUM_BUFFERS, low=1,
                      high=MAX_NUM_BUFFERS)  # fmt: skip
         timeout = _timeout(init_info)
         self.shutdown()
-        group = join_group(address, port, rank, world_size, self.device, timeout, self.cancel)
-        self.channel = BroadcastChannel(group, self.device, packed, size, count)
+        try:
+            group = join_group(address, port, rank, world_size, self.device, timeout,
+                               self.cancel, group_name)  # fmt: skip
+        except InvalidArgument as e:
+            if e.field != "master_address":  # this worker is rank 0 (trainer_rank > 0)
+                raise
+            raise InvalidArgument("init_info.master_address", f"init_info.{e}") from None
+        self.channel = BroadcastChannel(
+            group, self.device, packed, size, count, trainer, typed=group_name is not None
+        )
 
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]

@@ -18,7 +18,7 @@ from hotswap.weight_transfer.broadcast import (
 from hotswap.weight_transfer.trainer import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
-    WeightTransferTrainerFactory,
+    register_trainer,
     run_alongside,
 )
 
@@ -42,8 +42,8 @@ class NCCLTrainerInitInfo(GlooTrainerInitInfo):
     device: str = "cuda"
 
 
-@WeightTransferTrainerFactory.register("gloo")
-@WeightTransferTrainerFactory.register("nccl")
+@register_trainer("gloo")
+@register_trainer("nccl")
 class BroadcastTrainer(TrainerWeightTransferEngine):
     info: GlooTrainerInitInfo
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ParamMeta
 
 _BYTES = ("handle", "ref_counter_handle", "event_handle")
@@ -64,29 +65,34 @@ def export_handle(tensor: torch.Tensor) -> dict[str, Any]:
 def open_handle(meta: ParamMeta, entry: object, field: str) -> torch.Tensor:
     """The trainer's tensor described by `entry` (checked field by field first)."""
     if not isinstance(entry, dict):
-        raise ValueError(f"{field}: must be a JSON object")
+        raise InvalidArgument(field, f"{field}: must be a JSON object")
     local = _exported_here(entry)
     if local is not None:
         if local.dtype != meta.dtype or tuple(local.shape) != meta.shape:
-            raise ValueError(f"{field}: the exported tensor is not {meta.describe()}")
+            raise InvalidArgument(field, f"{field}: the exported tensor is not {meta.describe()}")
         return local
     raw = {key: _unb64(entry.get(key), f"{field}.{key}") for key in _BYTES}
     ints = {key: _int(entry.get(key), f"{field}.{key}") for key in _INTS}
     stride = entry.get("stride")
     if not isinstance(stride, list) or len(stride) != len(meta.shape):
-        raise ValueError(f"{field}.stride: one integer per dimension of {list(meta.shape)}")
+        raise InvalidArgument(
+            f"{field}.stride", f"{field}.stride: one integer per dimension of {list(meta.shape)}"
+        )
     stride = [_int(s, f"{field}.stride") for s in stride]
     needed = ints["tensor_offset"] + sum((n - 1) * s for n, s in zip(meta.shape, stride)) + 1
     if meta.numel and needed * meta.dtype.itemsize > ints["storage_size"]:
-        raise ValueError(f"{field}.storage_size: {ints['storage_size']} bytes do not hold the "
-                         f"view ({needed * meta.dtype.itemsize} needed)")  # fmt: skip
+        raise InvalidArgument(f"{field}.storage_size", f"{field}.storage_size: "
+                              f"{ints['storage_size']} bytes do not hold the view "
+                              f"({needed * meta.dtype.itemsize} needed)")  # fmt: skip
     if not isinstance(entry.get("event_sync_required"), bool):
-        raise ValueError(f"{field}.event_sync_required: must be a boolean")
+        raise InvalidArgument(
+            f"{field}.event_sync_required", f"{field}.event_sync_required: must be a boolean"
+        )
     device = _local_index(entry.get("device_uuid"), f"{field}.device_uuid")
     if meta.numel == 0:
         return torch.empty(meta.shape, dtype=meta.dtype, device=f"cuda:{device}")
     if raw["handle"] is None:
-        raise ValueError(f"{field}.handle: required for a non-empty tensor")
+        raise InvalidArgument(f"{field}.handle", f"{field}.handle: required for a non-empty tensor")
     try:
         return rebuild_cuda_tensor(
             torch.Tensor, torch.Size(meta.shape), tuple(stride), ints["tensor_offset"],
@@ -96,7 +102,7 @@ def open_handle(meta: ParamMeta, entry: object, field: str) -> torch.Tensor:
             bool(entry.get("event_sync_required")),
         )  # fmt: skip
     except (RuntimeError, TypeError) as e:  # a stale or foreign handle, a missing field
-        raise ValueError(f"{field}: cannot open the CUDA IPC handle ({e})") from None
+        raise InvalidArgument(field, f"{field}: cannot open the CUDA IPC handle ({e})") from None
 
 
 def _exported_here(entry: dict[str, Any]) -> torch.Tensor | None:
@@ -108,11 +114,13 @@ def _exported_here(entry: dict[str, Any]) -> torch.Tensor | None:
 
 def _local_index(uuid: object, field: str) -> int:
     if not torch.cuda.is_available():
-        raise ValueError(f"{field}: this engine has no CUDA device to open the handle on")
+        raise InvalidArgument(
+            field, f"{field}: this engine has no CUDA device to open the handle on"
+        )
     for index in range(torch.cuda.device_count()):
         if device_uuid(index) == uuid:
             return index
-    raise ValueError(f"{field}: GPU {uuid!r} is not visible to the engine")
+    raise InvalidArgument(field, f"{field}: GPU {uuid!r} is not visible to the engine")
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -123,14 +131,14 @@ def _unb64(value: object, field: str) -> bytes | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise ValueError(f"{field}: must be base64 text")
+        raise InvalidArgument(field, f"{field}: must be base64 text")
     try:
         return base64.b64decode(value, validate=True)
     except binascii.Error:
-        raise ValueError(f"{field}: not valid base64") from None
+        raise InvalidArgument(field, f"{field}: not valid base64") from None
 
 
 def _int(value: object, field: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{field}: must be a non-negative integer, got {value!r}")
+        raise InvalidArgument(field, f"{field}: must be a non-negative integer, got {value!r}")
     return value

@@ -17,13 +17,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from hotswap.model.loader import iter_safetensors, safetensors_files
+from hotswap.errors import InvalidArgument, nested
+from hotswap.model.safetensors_io import iter_safetensors, safetensors_files
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
 from hotswap.weight_transfer.trainer import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
-    WeightTransferTrainerFactory,
+    register_trainer,
 )
 
 MAX_PATH_CHARS = 4096
@@ -33,18 +34,21 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def _files(update_info: dict[str, Any], allowed: tuple[Path, ...] | None) -> list[Path]:
     """The checkpoint's files, by real path, each confined to `allowed` (None: anywhere)
-    and checked (see `check_safetensors`) before any is read."""
+    and checked (see `check_safetensors`) before any is read. Refusals name `model_path`
+    (the key of `update_info`)."""
     path = update_info.get("model_path")
     if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS or "\0" in path:
-        raise ValueError(f"model_path: must be a directory path of at most {MAX_PATH_CHARS} "
-                         f"characters")  # fmt: skip
+        raise InvalidArgument(
+            "model_path",
+            f"model_path: must be a directory path of at most {MAX_PATH_CHARS} characters",
+        )
     shown = path if len(path) <= 200 else path[:200] + "..."
     try:
         # Confined before anything else is looked at, so a caller cannot even learn what
         # exists outside the allowed directories.
         directory = confine(Path(path), allowed, repr(shown))
         if not directory.is_dir():
-            raise ValueError(f"model_path: {shown!r} is not a directory")
+            raise InvalidArgument("model_path", f"model_path: {shown!r} is not a directory")
         # The index is read (for its weight_map) before the files it names.
         confine(directory / INDEX_FILE, allowed, f"{INDEX_FILE} in {shown!r}")
         files = [
@@ -54,47 +58,54 @@ def _files(update_info: dict[str, Any], allowed: tuple[Path, ...] | None) -> lis
         for file in files:
             check_safetensors(file)
     except FileNotFoundError as e:
-        raise ValueError(f"model_path: {e}") from None
+        raise InvalidArgument("model_path", f"model_path: {e}") from None
     except (OSError, KeyError, TypeError, RecursionError) as e:  # also a bad index file
-        raise ValueError(f"model_path: cannot read a checkpoint in {shown!r} ({e!r})") from None
+        raise InvalidArgument(
+            "model_path", f"model_path: cannot read a checkpoint in {shown!r} ({e!r})"
+        ) from None
     return files
 
 
 def confine(path: Path, allowed: tuple[Path, ...] | None, shown: str) -> Path:
-    """The real path of `path` (every symlink resolved); ValueError unless it lies inside
+    """The real path of `path` (every symlink resolved); InvalidArgument unless it lies inside
     one of the `allowed` real directories (None: no confinement). Callers then open the
     real path, so only a writer inside an allowed directory could swap a link in between."""
     real = Path(os.path.realpath(path))
     if allowed is None or any(real == d or d in real.parents for d in allowed):
         return real
     dirs = ", ".join(str(d) for d in allowed) or "none"
-    raise ValueError(
+    raise InvalidArgument(
+        "model_path",
         f"model_path: {shown} is outside the directories weights may be loaded from "
-        f"({dirs}; set at server start with --allowed-weight-dirs)"
+        f"({dirs}; set at server start with --allowed-weight-dirs)",
     )
 
 
 def check_safetensors(path: Path) -> None:
-    """ValueError unless `path` is a regular file whose header is a safetensors header
-    that tells the truth: every tensor's bytes lie inside the file and match its dtype and
-    shape (a header may claim a 100 GB tensor in a 16-byte file)."""
+    """InvalidArgument (`model_path`) unless `path` is a regular file whose header is a
+    safetensors header that tells the truth: every tensor's bytes lie inside the file and
+    match its dtype and shape (a header may claim a 100 GB tensor in a 16-byte file)."""
     # O_NONBLOCK: a FIFO named *.safetensors must not block the open.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"model_path: {path.name} is not a regular file")
+            raise InvalidArgument("model_path", f"model_path: {path.name} is not a regular file")
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < length <= min(MAX_HEADER_BYTES, info.st_size - 8):
-            raise ValueError(f"model_path: {path.name} is not a safetensors file")
+            raise InvalidArgument(
+                "model_path", f"model_path: {path.name} is not a safetensors file"
+            )
         try:
             header = json.loads(f.read(length))
         except (ValueError, RecursionError):
-            raise ValueError(f"model_path: {path.name} has a corrupt header") from None
+            raise InvalidArgument(
+                "model_path", f"model_path: {path.name} has a corrupt header"
+            ) from None
     data_size = info.st_size - 8 - length
     if not isinstance(header, dict):
-        raise ValueError(f"model_path: {path.name} has a corrupt header")
+        raise InvalidArgument("model_path", f"model_path: {path.name} has a corrupt header")
     for name, entry in header.items():
         if name != "__metadata__":
             _check_entry(path.name, name, entry, data_size)
@@ -103,18 +114,21 @@ def check_safetensors(path: Path) -> None:
 def _check_entry(file: str, name: str, entry: object, data_size: int) -> None:
     where = f"model_path: {file}: tensor {name[:200]!r}"
     if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"{where}: missing or unsupported dtype")
+        raise InvalidArgument("model_path", f"{where}: missing or unsupported dtype")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not (isinstance(shape, list) and all(_count(d) for d in shape)):
-        raise ValueError(f"{where}: shape must be a list of non-negative integers")
+        raise InvalidArgument(
+            "model_path", f"{where}: shape must be a list of non-negative integers"
+        )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
-        raise ValueError(f"{where}: data_offsets must be [begin, end]")
+        raise InvalidArgument("model_path", f"{where}: data_offsets must be [begin, end]")
     begin, end = offsets
     nbytes = math.prod(shape) * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
     if not begin <= end <= data_size or end - begin != nbytes:
-        raise ValueError(
+        raise InvalidArgument(
+            "model_path",
             f"{where}: declares {nbytes} bytes at [{begin}, {end}), but the file holds "
-            f"{data_size} bytes of data"
+            f"{data_size} bytes of data",
         )
 
 
@@ -135,25 +149,36 @@ class DiskEngine(WeightTransferEngine):
 
     def parse_update_info(self, update_info: dict[str, Any]) -> list[ParamMeta]:
         if not isinstance(update_info, dict):
-            raise ValueError("update_info: must be a JSON object")
+            raise InvalidArgument("update_info", "update_info: must be a JSON object")
+        with nested("update_info"):  # what follows names update_info's `model_path`
+            return self._metas(_files(update_info, self.allowed_dirs))
+
+    @staticmethod
+    def _metas(files: list[Path]) -> list[ParamMeta]:
         metas = []
-        for path in _files(update_info, self.allowed_dirs):
+        for path in files:
             try:
                 with safe_open(str(path), framework="pt") as f:
                     for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                         sliced = f.get_slice(name)
                         dtype = _SAFETENSORS_DTYPES.get(sliced.get_dtype())
                         if dtype is None:
-                            raise ValueError(f"{path.name}: {name} has unsupported dtype")
+                            raise InvalidArgument(
+                                "model_path", f"{path.name}: {name} has unsupported dtype"
+                            )
                         metas.append(ParamMeta(name, dtype, tuple(sliced.get_shape())))
             except SafetensorError as e:
-                raise ValueError(f"model_path: {path.name} is not readable ({e})") from None
+                raise InvalidArgument(
+                    "model_path", f"model_path: {path.name} is not readable ({e})"
+                ) from None
         return metas
 
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from iter_safetensors(_files(update_info, self.allowed_dirs))
+        with nested("update_info"):
+            files = _files(update_info, self.allowed_dirs)
+        yield from iter_safetensors(files)
 
 
 _SAFETENSORS_DTYPES = {
@@ -178,7 +203,7 @@ class DiskTrainerInitInfo(TrainerInitInfo):
     directory: str  # must be readable by the engine at the same path
 
 
-@WeightTransferTrainerFactory.register("disk")
+@register_trainer("disk")
 class DiskTrainer(TrainerWeightTransferEngine):
     info: DiskTrainerInitInfo
 
@@ -189,9 +214,10 @@ class DiskTrainer(TrainerWeightTransferEngine):
         # ours (and we never delete a file we did not write).
         foreign = [p.name for p in directory.glob("*.safetensors") if p.name != SYNC_FILE]
         if foreign or (directory / "model.safetensors.index.json").exists():
-            raise ValueError(
+            raise InvalidArgument(  # DiskTrainerInitInfo.directory
+                "directory",
                 f"directory: {directory} already holds a checkpoint ({', '.join(foreign)}); "
-                f"give the disk backend a directory of its own"
+                f"give the disk backend a directory of its own",
             )
 
     def send_round(self, metas: list[ParamMeta], tensors: list[torch.Tensor]) -> None:

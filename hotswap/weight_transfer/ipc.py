@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ModuleSource, ParamMeta, metas_to_update_info
 from hotswap.weight_transfer.cuda_ipc import export_handle, open_handle
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
@@ -39,7 +40,7 @@ from hotswap.weight_transfer.shm import Segment, check_available, check_name
 from hotswap.weight_transfer.trainer import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
-    WeightTransferTrainerFactory,
+    register_trainer,
 )
 
 
@@ -72,14 +73,17 @@ class IPCEngine(WeightTransferEngine):
             return iter(opened)
         names = update_info.get("segments")
         if not isinstance(names, list):
-            raise ValueError("update_info.segments: required, a list of segment names")
+            raise InvalidArgument(
+                "update_info.segments", "update_info.segments: required, a list of segment names"
+            )
         segments = [self._segment(name, f"update_info.segments[{i}]") for i, name in
                     enumerate(names)]  # fmt: skip
         placements = update_info.get("placements")
         if not isinstance(placements, list) or len(placements) != len(metas):
-            raise ValueError(
+            raise InvalidArgument(
+                "update_info.placements",
                 f"update_info.placements: required, one [segment, byte offset] per name "
-                f"({len(metas)})"
+                f"({len(metas)})",
             )
         views = [  # every placement checked before anything is staged
             (meta.name, _view(segments, meta, placement, i))
@@ -94,7 +98,7 @@ class IPCEngine(WeightTransferEngine):
             try:
                 segment = Segment.attach(name)
             except ValueError as e:
-                raise ValueError(f"{field}: {e}") from None
+                raise InvalidArgument(field, f"{field}: {e}") from None
             self._mapped[name] = segment
         self._used.add(name)
         return segment
@@ -112,7 +116,10 @@ class IPCEngine(WeightTransferEngine):
 
 def _open_cuda_handles(entries: object, metas: list[ParamMeta]) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(entries, list) or len(entries) != len(metas):
-        raise ValueError(f"update_info.cuda_ipc: required, one handle per name ({len(metas)})")
+        raise InvalidArgument(
+            "update_info.cuda_ipc",
+            f"update_info.cuda_ipc: required, one handle per name ({len(metas)})",
+        )
     return [  # every handle checked and opened before anything is staged
         (meta.name, open_handle(meta, entry, f"update_info.cuda_ipc[{i}]"))
         for i, (meta, entry) in enumerate(zip(metas, entries))
@@ -126,17 +133,22 @@ def _view(segments: list[Segment], meta: ParamMeta, placement: object, i: int) -
         and len(placement) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in placement)
     ):
-        raise ValueError(f"{field}: must be [segment index, byte offset], got {placement!r}")
+        raise InvalidArgument(
+            field, f"{field}: must be [segment index, byte offset], got {placement!r}"
+        )
     index, offset = placement
     if index >= len(segments):
-        raise ValueError(f"{field}: segment index {index}, but {len(segments)} segment(s) listed")
+        raise InvalidArgument(
+            field, f"{field}: segment index {index}, but {len(segments)} segment(s) listed"
+        )
     segment = segments[index]
     if offset % meta.dtype.itemsize:
-        raise ValueError(f"{field}: offset {offset} is not aligned to {meta.dtype}")
+        raise InvalidArgument(field, f"{field}: offset {offset} is not aligned to {meta.dtype}")
     if offset + meta.nbytes > segment.size:
-        raise ValueError(
+        raise InvalidArgument(
+            field,
             f"{field}: {meta.name!r} needs bytes {offset}..{offset + meta.nbytes}, segment "
-            f"{segment.name!r} holds {segment.size}"
+            f"{segment.name!r} holds {segment.size}",
         )
     return segment.data[offset : offset + meta.nbytes].view(meta.dtype).view(meta.shape)
 
@@ -196,7 +208,7 @@ class IPCTrainerInitInfo(TrainerInitInfo):
     share_source: bool = False
 
 
-@WeightTransferTrainerFactory.register("ipc")
+@register_trainer("ipc")
 class IPCTrainer(TrainerWeightTransferEngine):
     info: IPCTrainerInitInfo
 
@@ -204,7 +216,9 @@ class IPCTrainer(TrainerWeightTransferEngine):
         check_available()
         if self.info.share_source:
             if not isinstance(self.source, ModuleSource):
-                raise ValueError("IPCTrainerInitInfo.share_source: needs a ModuleSource")
+                raise InvalidArgument(
+                    "share_source", "IPCTrainerInitInfo.share_source: needs a ModuleSource"
+                )
             share_module_memory(self.source.module)
         self.client.init_weight_transfer_engine({})
         # Staging segments live across rounds (writing into fresh shared memory costs page

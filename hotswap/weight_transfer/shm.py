@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from hotswap.errors import InvalidArgument
+
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}$")  # no "." / "..", no paths
 
@@ -31,7 +33,9 @@ def check_available() -> None:
 
 def check_name(name: object, field_name: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"{field_name}: not a shared-memory segment name: {name!r}")
+        raise InvalidArgument(
+            field_name, f"{field_name}: not a shared-memory segment name: {name!r}"
+        )
     return name
 
 

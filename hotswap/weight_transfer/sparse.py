@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import (
     Delta,
     ParamMeta,
@@ -25,7 +26,7 @@ from hotswap.weight_transfer.broadcast import BroadcastEngine
 from hotswap.weight_transfer.broadcast_trainer import BroadcastTrainer, GlooTrainerInitInfo
 from hotswap.weight_transfer.clients import Committed
 from hotswap.weight_transfer.engine import register_backend
-from hotswap.weight_transfer.trainer import WeightTransferTrainerFactory, run_alongside
+from hotswap.weight_transfer.trainer import register_trainer, run_alongside
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,19 @@ class SparseEngine(BroadcastEngine):
         metas = metas_from_update_info(update_info)
         nnz = update_info.get("nnz")
         if not isinstance(nnz, list) or len(nnz) != len(metas):
-            raise ValueError("update_info.nnz: required, one count per name")
+            raise InvalidArgument(
+                "update_info.nnz", "update_info.nnz: required, one count per name"
+            )
         for i, (count, meta) in enumerate(zip(nnz, metas)):
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-                raise ValueError(f"update_info.nnz[{i}]: must be a non-negative integer")
+                raise InvalidArgument(
+                    f"update_info.nnz[{i}]", f"update_info.nnz[{i}]: must be a non-negative integer"
+                )
             if count > meta.numel:
-                raise ValueError(f"update_info.nnz[{i}]: {count} exceeds {meta.numel} elements")
+                raise InvalidArgument(
+                    f"update_info.nnz[{i}]",
+                    f"update_info.nnz[{i}]: {count} exceeds {meta.numel} elements",
+                )
         return metas
 
     def receive_weights(
@@ -116,7 +124,7 @@ class SparseTrainerInitInfo(GlooTrainerInitInfo):
     backend: ClassVar[str] = "sparse"
 
 
-@WeightTransferTrainerFactory.register("sparse")
+@register_trainer("sparse")
 class SparseTrainer(BroadcastTrainer):
     """Patches, not a source: `send_patches(patches, weight_version)` runs one whole round
     (an empty list is a no-op). Every trainer rank calls it; rank 0 sends."""

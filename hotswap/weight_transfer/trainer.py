@@ -1,6 +1,7 @@
 """Trainer side: `WeightTransferTrainerFactory.trainer_init(init_info, client=, source=)`
-builds an engine once; `send_weights()` per round drives start -> update(s) -> finish on
-the serving engine and moves the bytes on the data plane at the same time.
+(in `backends`) builds an engine once; `send_weights()` per round drives start ->
+update(s) -> finish on the serving engine and moves the bytes on the data plane at the same
+time.
 
 Every trainer rank calls `send_weights()` (iterating a source may itself be collective,
 e.g. gathering shards); only rank 0 talks to the engine and sends."""
@@ -82,30 +83,19 @@ class TrainerWeightTransferEngine(ABC):
         """Release the channel."""
 
 
-class WeightTransferTrainerFactory:
-    _registry: ClassVar[dict[str, type[TrainerWeightTransferEngine]]] = {}
+# backend name -> its trainer engine class, filled by `register_trainer` as each backend
+# module is imported; `WeightTransferTrainerFactory` (in `backends`) imports the built-in ones.
+TRAINER_BACKENDS: dict[str, type[TrainerWeightTransferEngine]] = {}
 
-    @classmethod
-    def register(cls, backend: str) -> Callable[[type], type]:
-        def add(engine_cls: type[TrainerWeightTransferEngine]) -> type:
-            cls._registry[backend] = engine_cls
-            return engine_cls
 
-        return add
+def register_trainer(backend: str) -> Callable[[type], type]:
+    """Class decorator: the trainer engine for `backend`."""
 
-    @classmethod
-    def trainer_init(
-        cls, init_info: TrainerInitInfo, client: WeightSyncClient, source: WeightSource
-    ) -> TrainerWeightTransferEngine:
-        from hotswap.weight_transfer import broadcast_trainer, disk, ipc, sparse  # noqa: F401
+    def add(engine_cls: type[TrainerWeightTransferEngine]) -> type:
+        TRAINER_BACKENDS[backend] = engine_cls
+        return engine_cls
 
-        engine_cls = cls._registry.get(init_info.backend)
-        if engine_cls is None:
-            raise ValueError(f"init_info: no trainer engine for backend {init_info.backend!r}")
-        engine = engine_cls(init_info, client, source)
-        if engine.is_sender:
-            engine.connect()
-        return engine
+    return add
 
 
 def run_alongside(control: Callable[[], Any], data_plane: Callable[[], T]) -> T:

@@ -54,7 +54,8 @@ def test_gloo_sync_over_http(gloo_server, v1_trainer, v2_trainer, v1_dir, v2_dir
     assert committed == CommittedWeights(1, "step-1", expected_digest)  # the commit's answer
     assert complete(gloo_server) == expected != before
     weights = client.weight_info()
-    assert weights == {"weight_version": "step-1", "version": 1, "digest": expected_digest}
+    assert weights == {"weight_version": "step-1", "version": 1, "digest": expected_digest,
+                       "weight_gen": 1, "weight_label": "step-1"}  # fmt: skip
     # Bodies and status codes of the routes themselves.
     http = httpx.Client(base_url=gloo_server.url, timeout=30)
     r = http.post("/update_weights", json={"update_info": {"names": [], "dtype_names": [],
@@ -190,4 +191,5 @@ def test_sparse_and_disk_over_http(v1_dir, v1_trainer, tmp_path) -> None:
         engine = WeightTransferTrainerFactory.trainer_init(info, client, ModuleSource(v1_trainer))
         engine.send_weights("from-disk")
         assert client.weight_info() == {"weight_version": "from-disk", "version": 1,
-                                        "digest": before}  # fmt: skip
+                                        "digest": before, "weight_gen": 1,
+                                        "weight_label": "from-disk"}  # fmt: skip

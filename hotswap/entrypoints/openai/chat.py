@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
-from hotswap.entrypoints.api_server import get_engine, get_server_config
 from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.openai.params import (
@@ -55,6 +54,7 @@ from hotswap.entrypoints.openai.streaming import (
     sse,
     sse_error,
 )
+from hotswap.entrypoints.state import get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 
 

@@ -3,7 +3,9 @@ unsupported parameters, `SamplingParams` and prompt (length) checks."""
 
 from __future__ import annotations
 
+import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,15 +13,27 @@ from fastapi import Request
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import check_prompt, encode_prompt
-from hotswap.entrypoints.api_server import get_server_config
 from hotswap.entrypoints.errors import APIError, param_of
-from hotswap.entrypoints.limits import check_prompt_chars
+from hotswap.entrypoints.limits import WarningThrottle, check_prompt_chars, printable_field
 from hotswap.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    RequestModel,
     SamplingRequest,
 )
+from hotswap.entrypoints.state import get_server_config
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# vLLM's words, so that log searches written for vLLM find hotswap's warning too.
+IGNORED_FIELDS_WARNING = "The following fields were present in the request but ignored"
+MAX_FIELDS_NAMED = 10  # in one warning; a body can hold thousands of keys
+# Each distinct (route, set of ignored fields) is logged at most once a minute, and at most
+# 20 such warnings a minute in all: an RL client sends the same extra fields on every one
+# of thousands of requests, and a flood would bury every other log line. The number of
+# warnings held back is reported with the next one logged.
+_ignored_fields_throttle = WarningThrottle(interval_s=60.0, max_per_interval=20)
 
 # field -> the values accepted (hotswap does not implement anything else)
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
@@ -66,6 +80,55 @@ def base_request_id(request: Request, body_id: str | None, prefix: str) -> str:
     `request_id`, else `{prefix}-{uuid}` (vLLM gives the header precedence too)."""
     header = request.headers.get("x-request-id")
     return header or body_id or f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_unknown_fields(request: Request, body: RequestModel) -> None:
+    """Fields of the request that no parameter declares (nested ones too, as
+    `stream_options.foo`): ignored with a (throttled) warning, as vLLM does, or under
+    --reject-unknown-fields a 400 naming the first, `body.<field>`, as before the flag.
+    Messages are free-form objects handed to the chat template whole, never refused."""
+    names = body.unknown_fields
+    if not names:
+        return
+    if get_server_config(request).reject_unknown_fields:
+        field = printable_field(names[0])
+        raise APIError(
+            400,
+            f"{field}: Extra inputs are not permitted (unknown field; this server runs "
+            f"with --reject-unknown-fields)",
+            f"body.{field}",
+        )
+    warn_ignored_fields(request.url.path, names)
+
+
+def warn_ignored_fields(
+    path: str, names: Sequence[str], throttle: WarningThrottle = _ignored_fields_throttle
+) -> bool:
+    """Log one warning naming the ignored fields of one request, unless `throttle` holds
+    it back; True if it was logged."""
+    shown = sorted({printable_field(n) for n in names})
+    listed = ", ".join(repr(n) for n in shown[:MAX_FIELDS_NAMED])
+    if len(shown) > MAX_FIELDS_NAMED:
+        listed += f", ... ({len(shown) - MAX_FIELDS_NAMED} more)"
+    key = f"{path} {listed}"
+    admitted = throttle.admit(key)
+    if admitted is None:
+        return False
+    held_same, held_other = admitted
+    notes = [path]
+    if held_same:
+        notes.append(f"{held_same} more requests with these fields since the last warning")
+    if held_other:
+        notes.append(f"{held_other} warnings about other ignored fields held back")
+    window = f"{throttle.interval_s:g} s"
+    logger.warning(
+        "%s: {%s} (%s; each set of fields is logged at most once per %s)",
+        IGNORED_FIELDS_WARNING,
+        listed,
+        "; ".join(notes),
+        window,
+    )
+    return True
 
 
 def check_unsupported(body: SamplingRequest) -> None:

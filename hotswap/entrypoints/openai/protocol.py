@@ -1,9 +1,12 @@
 """Request models of the OpenAI-compatible API (vLLM's dialect).
 
-Unknown fields are rejected (400 naming the field) rather than silently ignored; OpenAI /
-vLLM parameters that hotswap does not implement are declared so that their default value
-is accepted, and `params.check_unsupported` rejects anything else. Value checks that
-`SamplingParams` already makes (temperature >= 0, ...) are left to it.
+Unknown fields are ignored with a logged warning, as vLLM does (RL clients send fields
+they do not need answered), or refused with 400 naming the field under
+`--reject-unknown-fields` (`params.check_unknown_fields`). OpenAI / vLLM parameters that
+hotswap does not implement are declared so that their default value is accepted, and
+`params.check_unsupported` rejects anything else: a known parameter is never silently
+ignored. Value checks that `SamplingParams` already makes (temperature >= 0, ...) are left
+to it.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from hotswap.entrypoints.limits import CheckedModel
@@ -30,9 +36,42 @@ NonNegInt64 = Annotated[int, Field(ge=0, lt=I64)]
 
 
 class RequestModel(CheckedModel):
-    # strict: no coercion that changes meaning ("stream": "yes" is not true, "n": "2" not
-    # 2); floats are finite and bounded (CheckedModel), strings valid Unicode.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    """A request body. strict: no coercion that changes meaning ("stream": "yes" is not
+    true, "n": "2" not 2); floats are finite and bounded (CheckedModel), strings valid
+    Unicode.
+
+    Unknown fields: whether they are ignored (the default, as vLLM) or refused
+    (--reject-unknown-fields) is a server flag, but pydantic's `extra` is fixed when the
+    class is built. So there is one model for both: validation ignores unknown keys
+    (extra="ignore": they are never stored, checked or passed on) and records their names
+    in `unknown_fields`, nested models' under their field (`stream_options.foo`); the route
+    then warns or refuses (`params.check_unknown_fields`). Two model variants per request
+    would double every class and make each route pick one per request; validating with
+    extra="allow" would keep the unknown values in the model and its dumps."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _record_unknown_fields(
+        cls, data: Any, handler: ModelWrapValidatorHandler[RequestModel]
+    ) -> RequestModel:
+        model = handler(data)
+        if isinstance(data, dict):
+            known = cls.model_fields
+            unknown = [str(key) for key in data if key not in known]
+            for name in known:  # nested request models (stream_options) report theirs too
+                value = getattr(model, name)
+                if isinstance(value, RequestModel):
+                    unknown += [f"{name}.{key}" for key in value.unknown_fields]
+            model._unknown_fields = tuple(unknown)
+        return model
+
+    @property
+    def unknown_fields(self) -> tuple[str, ...]:
+        """The request's fields that no field of this model declares, in body order."""
+        return self._unknown_fields
 
 
 class StreamOptions(RequestModel):
@@ -112,6 +151,9 @@ class CompletionRequest(SamplingRequest):
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
+    # Free-form objects: a message's keys beyond role and content are neither refused nor
+    # logged (vLLM ignores the ones it does not know silently); they reach the chat
+    # template, which uses what it knows (tool_calls, reasoning_content, ...).
     messages: list[dict[str, Any]]
     max_tokens: NonNegInt64 | None = None
     max_completion_tokens: NonNegInt64 | None = None

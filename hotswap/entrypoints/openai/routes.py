@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 
 from hotswap.entrypoints.openai.chat import create_chat_completion
 from hotswap.entrypoints.openai.completions import create_completion
+from hotswap.entrypoints.openai.params import check_unknown_fields
 from hotswap.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -27,19 +28,23 @@ async def models(request: Request) -> ModelList:
 
 @openai_router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
+    check_unknown_fields(request, body)
     return await create_completion(body, request)
 
 
 @openai_router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    check_unknown_fields(request, body)
     return await create_chat_completion(body, request)
 
 
 @openai_router.post("/tokenize")
 async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    check_unknown_fields(request, body)
     return await tokenize(body, request)
 
 
 @openai_router.post("/detokenize")
 async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    check_unknown_fields(request, body)
     return await detokenize(body, request)

@@ -7,7 +7,6 @@ import time
 from fastapi import Request
 
 from hotswap.engine.async_llm import AsyncLLM
-from hotswap.entrypoints.api_server import get_engine
 from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.openai.chat import apply_template
@@ -20,6 +19,7 @@ from hotswap.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from hotswap.entrypoints.state import get_engine
 
 
 def list_models(request: Request) -> ModelList:

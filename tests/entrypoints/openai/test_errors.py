@@ -32,7 +32,8 @@ COMPLETION_CASES = [
     ({"prompt_logprobs": -2}, "body.prompt_logprobs"),
     ({"cache_salt": ""}, "body.cache_salt"),
     ({"cache_salt": 5}, "body.cache_salt"),
-    ({"no_such_field": 1}, "body.no_such_field"),
+    # an unknown field is ignored (test_unknown_fields.py), but not a bad known one with it
+    ({"no_such_field": 1, "logit_bias": {"5": 1}}, "body.logit_bias"),
     ({"stream_options": {"include_usage": True}}, "body.stream_options"),
     ({"echo": True, "logprobs": 21}, "body.logprobs"),
     ({"prompt": []}, "body.prompt"),

@@ -1,0 +1,269 @@
+"""The control verbs: every call a front-end can make to an engine core, declared once.
+
+A verb is its arguments (a msgspec struct whose tag is the verb's name, with the
+constraints the arguments must meet), how data-parallel ranks' answers merge, and how it
+runs beside a weight transfer. Everything else is generic over this table: the engine-core
+loop dispatches by it (hotswap/engine/handlers.py holds one handler per verb), `AsyncLLM`,
+`LLM` and the DP client call by it, and the HTTP dialects map their routes onto it. Only
+declared verbs can be invoked: the wire decoder knows no other tag.
+
+Arguments are validated once, where they enter (`make_args`), and a refusal names its
+field (`InvalidArgument.field`), so an HTTP 400 says which field without parsing text.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from hotswap.engine.errors import InvalidArgument
+
+PauseMode = Literal["abort", "wait", "keep"]
+SleepTag = Literal["weights", "kv_cache", "scheduling"]
+PAUSE_MODES: tuple[str, ...] = typing.get_args(PauseMode)
+SLEEP_TAGS: tuple[str, ...] = typing.get_args(SleepTag)
+
+MAX_LABEL_CHARS = 256  # a weight-version label: a name, not a payload
+MAX_PATH_CHARS = 4096  # PATH_MAX
+Label = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_LABEL_CHARS, description="a non-empty string")
+]
+Path = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS, description="a path to a directory"),
+]
+JSONObject = Annotated[dict[str, Any], msgspec.Meta(description="a JSON object")]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256, description="a name")]
+
+
+class Merge(enum.Enum):
+    """How the answers of data-parallel ranks become one."""
+
+    FIRST = "first"  # every rank did the same thing: rank 0's answer
+    SUM = "sum"  # counts
+    ANY = "any"  # flags: true if true on any rank
+    STATS = "stats"  # numbers summed, maxed or averaged per key
+    DIGEST = "digest"  # rank 0's, but a digest the ranks disagree on is reported as such
+    PER_RANK = "per_rank"  # each rank answers a list: their concatenation (collective_rpc)
+
+
+class Args(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True, tag=True):
+    """Base of every verb's arguments; the tag (the class's verb name) names the verb."""
+
+
+# -- scheduling ------------------------------------------------------------------------------
+class Pause(Args, tag="pause"):
+    mode: PauseMode = "abort"
+    clear_cache: bool = True
+
+
+class Resume(Args, tag="resume"):
+    pass
+
+
+class IsPaused(Args, tag="is_paused"):
+    pass
+
+
+class ResetPrefixCache(Args, tag="reset_prefix_cache"):
+    reset_running_requests: bool = False
+
+
+class GetStats(Args, tag="get_stats"):
+    pass
+
+
+# -- sleep -----------------------------------------------------------------------------------
+class Sleep(Args, tag="sleep"):
+    level: Literal[0, 1, 2] = 1
+    mode: PauseMode = "abort"
+
+
+class WakeUp(Args, tag="wake_up"):
+    tags: list[SleepTag] | None = None
+
+
+class IsSleeping(Args, tag="is_sleeping"):
+    pass
+
+
+# -- weights ---------------------------------------------------------------------------------
+class LoadWeightsFromDisk(Args, tag="load_weights_from_disk"):
+    model_path: Path
+    weight_version: Label | None = None  # the new version's label (default: model_path)
+
+
+class InitWeightTransfer(Args, tag="init_weight_transfer_engine"):
+    init_info: JSONObject
+
+
+class LeaveWeightTransfer(Args, tag="leave_weight_transfer"):
+    """Leave the trainer's channel between rounds (SGLang's destroy, TRL's close)."""
+
+
+class StartWeightUpdate(Args, tag="start_weight_update"):
+    is_checkpoint_format: bool = True
+
+
+class UpdateWeights(Args, tag="update_weights"):
+    update_info: JSONObject
+
+
+class PrepareWeightUpdate(Args, tag="prepare_weight_update"):
+    pass
+
+
+class FinishWeightUpdate(Args, tag="finish_weight_update"):
+    weight_version: Label | None = None  # the new version's label (default: the current)
+    abort: bool = False
+    digest: bool = False  # hotswap: a blake2b of every weight, as get_weight_info gives
+    checksum: bool = False  # vLLM: one SHA-256 per tensor, keyed by rank and name
+
+
+class GetWorldSize(Args, tag="get_world_size"):
+    pass
+
+
+class GetWeightInfo(Args, tag="get_weight_info"):
+    pass
+
+
+class UpdateWeightVersion(Args, tag="update_weight_version"):
+    label: Label
+
+
+class GetWeightVersion(Args, tag="get_weight_version"):
+    pass
+
+
+class UpdateWeightLabel(Args, tag="update_weight_label"):
+    """Rename the current weights without committing a new version (vLLM's RFC route)."""
+
+    label: Label
+
+
+class WeightUpdateActive(Args, tag="weight_update_active"):
+    pass
+
+
+# -- the worker extension --------------------------------------------------------------------
+class CollectiveRpc(Args, tag="collective_rpc"):
+    """Call a public method of the worker extension named at start (worker.py) on every
+    engine core; answered with one result per core."""
+
+    method: Name
+    args: list[Any] = msgspec.field(default_factory=list)
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+def verb_name(args: type[Args] | Args) -> str:
+    cls = args if isinstance(args, type) else type(args)
+    return cls.__struct_config__.tag  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Verb:
+    args: type[Args]
+    merge: Merge = Merge.FIRST
+    # Uses the weights or the transfer channel: waits (in arrival order) while a call runs
+    # on the worker thread, and is refused while an init waits for its trainer.
+    behind_channel: bool = False
+    # Blocks on the trainer, not on the engine: runs on the worker thread.
+    on_worker: bool = False
+
+    @property
+    def name(self) -> str:
+        return verb_name(self.args)
+
+
+VERBS: dict[str, Verb] = {
+    verb.name: verb
+    for verb in (
+        Verb(Pause),
+        Verb(Resume),
+        Verb(IsPaused, Merge.ANY),
+        Verb(ResetPrefixCache, Merge.SUM),
+        Verb(GetStats, Merge.STATS),
+        Verb(Sleep, behind_channel=True),
+        Verb(WakeUp, behind_channel=True),
+        Verb(IsSleeping, Merge.ANY),
+        Verb(LoadWeightsFromDisk, behind_channel=True),
+        Verb(InitWeightTransfer, behind_channel=True, on_worker=True),
+        Verb(LeaveWeightTransfer, Merge.ANY, behind_channel=True),
+        Verb(StartWeightUpdate, behind_channel=True),
+        Verb(UpdateWeights, behind_channel=True, on_worker=True),
+        Verb(PrepareWeightUpdate, behind_channel=True),
+        Verb(FinishWeightUpdate, Merge.DIGEST, behind_channel=True),
+        Verb(GetWorldSize, Merge.SUM, behind_channel=True),
+        Verb(GetWeightInfo, Merge.DIGEST),
+        Verb(UpdateWeightVersion),
+        Verb(GetWeightVersion),
+        Verb(UpdateWeightLabel),
+        Verb(WeightUpdateActive, Merge.ANY),
+        # It may touch the weights: it waits behind a transfer, like a round's phases.
+        Verb(CollectiveRpc, Merge.PER_RANK, behind_channel=True),
+    )
+}
+
+# What a UtilityCall carries: exactly one declared verb's arguments (a tagged union).
+AnyArgs = typing.Union[tuple(verb.args for verb in VERBS.values())]  # noqa: UP007
+
+
+def verb_of(args: Args) -> Verb:
+    return VERBS[verb_name(args)]
+
+
+def make_args(verb: str, values: dict[str, Any], *, lax: bool = False) -> Args:
+    """The verb's arguments from `values`, each checked against its declared type and
+    constraints; InvalidArgument names the first field refused. `lax` accepts the string
+    forms a query string carries ("false", "1")."""
+    declared = VERBS.get(verb)
+    if declared is None:
+        raise InvalidArgument("method", f"method: {verb!r} is not a control verb")
+    fields = {f.name: f for f in msgspec.structs.fields(declared.args)}
+    for name in values:
+        if name not in fields:
+            raise InvalidArgument(name, f"{name}: {verb} takes no such argument")
+    checked = {}
+    for name, value in values.items():
+        checked[name] = _convert(name, value, fields[name].type, lax)
+    missing = [f.name for f in fields.values() if f.required and f.name not in checked]
+    if missing:
+        raise InvalidArgument(missing[0], f"{missing[0]}: required")
+    return declared.args(**checked)
+
+
+def _convert(name: str, value: Any, field_type: Any, lax: bool) -> Any:
+    try:
+        return msgspec.convert(value, field_type, strict=not lax)
+    except msgspec.ValidationError as e:
+        raise InvalidArgument(name, f"{name}: must be {_describe(field_type)}, got "
+                              f"{_shown(value)} ({e})") from None  # fmt: skip
+
+
+def _describe(field_type: Any) -> str:
+    """What a field accepts, in words, from its declared type."""
+    origin, parts = typing.get_origin(field_type), typing.get_args(field_type)
+    if origin is Annotated:
+        meta = [m for m in parts[1:] if isinstance(m, msgspec.Meta) and m.description]
+        return meta[0].description if meta else _describe(parts[0])
+    if origin is Literal:
+        return "one of " + ", ".join(str(p) for p in parts)
+    if origin in (typing.Union, types.UnionType):
+        named = [_describe(p) for p in parts if p is not type(None)]
+        return " or ".join(named) + (" or null" if type(None) in parts else "")
+    if origin is list:
+        return f"a list of {_describe(parts[0]) if parts else 'values'}"
+    return {bool: "a boolean", int: "an integer", str: "a string", float: "a number"}.get(
+        field_type, getattr(field_type, "__name__", str(field_type))
+    )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

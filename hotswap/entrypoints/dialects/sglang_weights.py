@@ -1,0 +1,406 @@
+"""SGLang's weight-sync routes (a trainer's broadcast group), request aborts and load
+report, composed from the control verbs. Registered only with the control plane enabled;
+the routes of sglang.py (pause/continue, flush_cache, disk reloads) come first in an RL
+step, these after.
+
+What the RL frameworks send (as built in their sources):
+- slime (slime/backends/sglang_utils/sglang_engine.py; the trainer side in
+  slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py):
+  POST /init_weights_update_group {master_address, master_port (int), rank_offset,
+  world_size, group_name ("slime-pp_{pp_rank}"), backend ("nccl" on GPUs)} while the trainer
+  makes rank 0 of that group with a copy of torch's `init_process_group` (a tcp:// rendezvous
+  store prefixed with the group name, then `_new_process_group_helper`); then per bucket
+  POST /update_weights_from_distributed {names, dtypes ("bfloat16": str(dtype) without
+  "torch."), shapes, group_name, flush_cache: false, weight_version: str(step)} while it
+  posts `dist.broadcast(tensor, 0, group=..., async_op=True)` for every tensor of the bucket in
+  `names` order and waits for them all. Several buckets share one weight_version; around
+  the whole update it calls /pause_generation, GET /flush_cache and /continue_generation.
+  On reconnect it calls /destroy_weights_update_group {group_name} and ignores a failure.
+- AReaL (areal/engine/sglang_remote.py): the same init payload but master_port as a
+  string, asserting `success` in the answer; updates {names, dtypes, shapes, group_name,
+  abort_all_requests: true} (flush_cache left at SGLang's default, true).
+- /update_weights_from_tensor (slime's colocated path, verl's HTTP adapter) sends
+  `serialized_named_tensors`: base64 pickles (MultiprocessingSerializer) of tensors or of
+  CUDA IPC handles. hotswap never unpickles request bytes, and has no in-memory path to put
+  raw tensor bytes from a request into a round: the route refuses (400) and says what to use.
+
+SGLang's own answers (python/sglang/srt/entrypoints/http_server.py) are
+{"success": true, "message": ...}; a refusal here is hotswap's error envelope (400 naming
+the field in SGLang's spelling: body.dtypes[0], body.master_port, ...; 409 for a state
+the call cannot run in). An update is one whole round (start, receive, commit with
+`weight_version`), aborted on any failure: the weights and version stay as they were.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+import hotswap
+from hotswap.engine.errors import EngineStateError
+from hotswap.entrypoints.errors import APIError, bad_request
+from hotswap.entrypoints.state import get_engine, get_server_config
+from hotswap.entrypoints.verb_routes import VerbRoute, call_verb, json_object, weight_round
+
+logger = logging.getLogger(__name__)
+
+sglang_weights_router = APIRouter()
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+BROADCAST_BACKENDS = ("gloo", "nccl")  # --weight-transfer-config backends a group can feed
+# The attribute of app.state naming the group this server joined (the front-end's record:
+# a later update naming another group is refused before anything reaches the engine).
+_GROUP_STATE = "sglang_weight_update_group"
+
+INIT = VerbRoute("/init_weights_update_group", "init_weight_transfer_engine")
+UPDATE = VerbRoute("/update_weights_from_distributed", "update_weights")
+LOADS = VerbRoute("/v1/loads", "get_stats", "GET")
+
+INIT_FIELDS = frozenset(
+    {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+)
+UPDATE_FIELDS = frozenset({"names", "dtypes", "shapes", "group_name", "flush_cache",
+                           "abort_all_requests", "weight_version", "load_format",
+                           "torch_empty_cache"})  # fmt: skip
+TENSOR_FIELDS = frozenset({"serialized_named_tensors", "load_format", "flush_cache",
+                           "abort_all_requests", "weight_version", "disable_draft_model",
+                           "torch_empty_cache"})  # fmt: skip
+ABORT_FIELDS = frozenset({"rid", "abort_all", "finished_reason", "abort_message"})
+DESTROY_FIELDS = frozenset({"group_name"})
+LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+
+# update_info's keys -> SGLang's names for them
+_UPDATE_KEYS = {"names": "names", "dtype_names": "dtypes", "shapes": "shapes"}
+
+
+# -- /init_weights_update_group ----------------------------------------------------------
+@sglang_weights_router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request) -> dict[str, Any]:
+    """Join the trainer's group as ranks rank_offset.. (one per engine core); blocks until
+    the trainer joins too (or the transfer's timeout)."""
+    values = await _read(request, "/init_weights_update_group", INIT_FIELDS)
+    group_name = _group_name(values)
+    _check_backend(request, values.get("backend", "nccl"))
+    init_info: dict[str, Any] = {"group_name": group_name, "packed": False}
+    address = values.get("master_address")
+    if address is not None:
+        init_info["master_address"] = address
+    for key in ("master_port", "rank_offset", "world_size"):
+        if key in values:
+            init_info[key] = _lax_int(values[key], key)
+    try:
+        await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
+    except APIError as e:
+        raise _respell_init(e) from None
+    setattr(request.app.state, _GROUP_STATE, group_name)
+    return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+def _check_backend(request: Request, backend: object) -> None:
+    """The group's backend must be the one this server's engine joins with: gloo on CPU,
+    NCCL on CUDA. Mapping one onto the other cannot work: the trainer's group and the
+    engine's would never meet (their keys and transports differ), so it is refused here
+    instead of hanging until the timeout."""
+    config = get_engine(request).config
+    transfer = config.weight_transfer
+    if transfer is None:
+        return  # the engine answers: weight transfer is not configured (409)
+    if transfer.backend not in BROADCAST_BACKENDS:
+        raise APIError(
+            409,
+            f"init_weights_update_group: this server receives weights with the "
+            f"{transfer.backend!r} backend; SGLang's broadcast group needs one started with "
+            f'--weight-transfer-config \'{{"backend": "gloo"}}\' (or "nccl" on GPUs)',
+        )
+    expected = "nccl" if str(config.device).startswith("cuda") else "gloo"
+    if backend != expected:
+        raise bad_request(
+            f"backend: this server's engine runs on {config.device} and joins weight-update "
+            f"groups with {expected}; create the trainer's group with backend={expected!r} "
+            f"(got {backend!r})",
+            "body.backend",
+        )
+
+
+def _lax_int(value: object, key: str) -> object:
+    """An integer, also from the decimal string AReaL sends for master_port (SGLang's
+    request model converts it); anything else goes on as sent, for the engine to refuse."""
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,10}", value.strip()):
+        return int(value)
+    return value
+
+
+def _respell_init(error: APIError) -> APIError:
+    """init_info.master_port -> master_port: SGLang's fields are init_info's own keys."""
+    if error.param and error.param.startswith("body.init_info."):
+        message = error.message.removeprefix("init_info.")
+        return APIError(error.status, message, "body." + error.param[len("body.init_info.") :])
+    return error
+
+
+# -- /update_weights_from_distributed ----------------------------------------------------
+@sglang_weights_router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
+    """One whole round over the joined group: the tensors named, one broadcast each in
+    `names` order, staged, then committed at once as version + 1 labelled weight_version
+    (the current label if none). flush_cache (SGLang's default true) empties the prefix
+    cache after the commit; abort_all_requests aborts every request first."""
+    values = await _read(request, "/update_weights_from_distributed", UPDATE_FIELDS)
+    group_name = _group_name(values)
+    joined = getattr(request.app.state, _GROUP_STATE, None)
+    if joined is None:  # also keeps another dialect's channel from receiving SGLang's stream
+        raise APIError(
+            409,
+            "update_weights_from_distributed: no weight-update group: create one with "
+            "/init_weights_update_group first",
+        )
+    if group_name != joined:
+        raise bad_request(
+            f"group_name: this server is in the weight-update group {joined!r}, not {group_name!r}",
+            "body.group_name",
+        )
+    if values.get("load_format") not in (None, "auto"):
+        raise bad_request(
+            f"load_format: only plain named tensors (null) can be received, got "
+            f"{values['load_format']!r}",
+            "body.load_format",
+        )
+    flush_cache = _flag(values, "flush_cache", True)
+    abort_all = _flag(values, "abort_all_requests", False)
+    update_info = {ours: values[theirs] for ours, theirs in _UPDATE_KEYS.items()
+                   if theirs in values}  # fmt: skip
+    engine = get_engine(request)
+    if abort_all:
+        await engine.abort()
+    try:
+        done = await weight_round(request, UPDATE, [update_info], values.get("weight_version"))
+    except APIError as e:
+        error, left = _respell_update(e, values)
+        if left:
+            setattr(request.app.state, _GROUP_STATE, None)
+            error.message += (
+                " (the update could not be sized, so the trainer's broadcasts for it cannot "
+                "be received: the group was left; create it again with "
+                "/init_weights_update_group)"
+            )
+        raise error from None
+    except EngineStateError as e:
+        message = str(e)
+        if "init_weight_transfer_engine" in message:
+            message += " (SGLang's route: /init_weights_update_group)"
+        raise APIError(409, message) from None
+    if flush_cache:
+        await call_verb(request, UPDATE, "reset_prefix_cache")
+    label = done.result["label"]
+    message = "Succeeded to update parameter online."
+    if values.get("weight_version") is not None:
+        message += f" Weight version updated to {label}."
+    return {
+        "success": True,
+        "message": message,
+        "weight_version": label,
+        "version": done.result["version"],
+    }
+
+
+def _flag(values: dict[str, Any], key: str, default: bool) -> bool:
+    value = values.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{key}: must be a boolean, got {value!r}", f"body.{key}")
+    return value
+
+
+_INDEXED = re.compile(r"^update_info\.(names|dtype_names|shapes)")
+
+
+def _respell_update(error: APIError, values: dict[str, Any]) -> tuple[APIError, bool]:
+    """A refusal of the round in SGLang's spelling (body.update_info.dtype_names[0] ->
+    body.dtypes[0]; a refusal of the whole chunk names the list or the tensor at fault),
+    and whether the engine left the group. It does when the chunk cannot be sized (the
+    sender is then out of step with it: lists of other lengths or types, an unknown
+    dtype); a chunk the model cannot take (names, shapes) is drained instead and the
+    group stays usable."""
+    param, message = error.param, error.message
+    if error.status != 400 or not param or not param.startswith("body.update_info"):
+        return error, False
+    rest = param[len("body.") :]
+    indexed = _INDEXED.match(rest)
+    unsized = bool(indexed) or "differ in length" in message
+    if indexed:
+        theirs = _UPDATE_KEYS[indexed.group(1)]
+        param = f"body.{theirs}{rest[indexed.end() :]}"
+        message = _INDEXED.sub(theirs, message, count=1)
+    else:  # the chunk as a whole: lengths that differ, or a tensor the model cannot take
+        param = _chunk_param(message, values)
+        message = message.removeprefix("update_info: ")
+    message = message.replace("dtype_names", "dtypes")
+    return APIError(error.status, message, param), unsized
+
+
+def _chunk_param(message: str, values: dict[str, Any]) -> str:
+    names, dtypes, shapes = (values.get(k) for k in ("names", "dtypes", "shapes"))
+    if "differ in length" in message and isinstance(names, list):
+        for key, other in (("dtypes", dtypes), ("shapes", shapes)):
+            if isinstance(other, list) and len(other) != len(names):
+                return f"body.{key}"
+        return "body.names"
+    if isinstance(names, list):  # "weights: shape mismatch for 'x': ..." names the tensor
+        for i, name in enumerate(names):
+            if isinstance(name, str) and repr(name) in message:
+                key = (
+                    "shapes" if "shape" in message else "dtypes" if "dtype" in message else "names"
+                )
+                return f"body.{key}[{i}]"
+    return "body"
+
+
+# -- /update_weights_from_tensor, /destroy_weights_update_group -------------------------
+@sglang_weights_router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
+    """Refused: SGLang's payload is pickled tensors (or CUDA IPC handles), never unpickled
+    here, and no backend takes raw tensor bytes from a request."""
+    await _read(request, "/update_weights_from_tensor", TENSOR_FIELDS)
+    raise bad_request(
+        "serialized_named_tensors: refused: SGLang's tensors are pickles "
+        "(MultiprocessingSerializer, often of CUDA IPC handles) and hotswap never unpickles "
+        "request bytes. Send weights over a broadcast group (/init_weights_update_group, "
+        "/update_weights_from_distributed), from a safetensors directory "
+        "(/update_weights_from_disk), or with hotswap's ipc backend "
+        "(/init_weight_transfer_engine, /update_weights)",
+        "body.serialized_named_tensors",
+    )
+
+
+@sglang_weights_router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
+    """Leave the group named (refused mid-round: 409); a later init joins a new one."""
+    values = await _read(request, "/destroy_weights_update_group", DESTROY_FIELDS)
+    group_name = _group_name(values)
+    joined = getattr(request.app.state, _GROUP_STATE, None)
+    if joined is not None and group_name != joined:
+        raise bad_request(
+            f"group_name: this server is in the weight-update group {joined!r}, not {group_name!r}",
+            "body.group_name",
+        )
+    left = await get_engine(request).call("leave_weight_transfer")
+    setattr(request.app.state, _GROUP_STATE, None)
+    message = f"left {group_name!r}" if left else "no weight-update group to leave"
+    return {"success": True, "message": message}
+
+
+# -- /abort_request ----------------------------------------------------------------------
+@sglang_weights_router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """Abort the request `rid` (a /generate rid; a batch's single rid names its
+    `{rid}_{i}` items too), or every request with abort_all. Unknown rids are ignored, as
+    SGLang does; its answer is an empty 200."""
+    values = await _read(request, "/abort_request", ABORT_FIELDS)
+    rid = values.get("rid") or ""
+    abort_all = _flag(values, "abort_all", False)
+    if not isinstance(rid, str):
+        raise bad_request(f"rid: must be a string, got {rid!r}"[:200], "body.rid")
+    engine = get_engine(request)
+    if abort_all:
+        await engine.abort()
+    elif rid:
+        batch = re.compile(re.escape(rid) + r"_[0-9]+")
+        ids = [r for r in engine.processor.requests if r == rid or batch.fullmatch(r)]
+        if ids:
+            await engine.abort(ids)
+    return Response(status_code=200)
+
+
+# -- /v1/loads ---------------------------------------------------------------------------
+@sglang_weights_router.get("/v1/loads")
+async def get_loads(
+    request: Request,
+    dp_rank: int | None = None,
+    include: str | None = None,
+    format: str | None = None,  # noqa: A002 - SGLang's query parameter
+) -> Any:
+    """SGLang's load report: {timestamp, version, dp_rank_count, loads: [...], aggregate}.
+    Only the core section is known here (running/waiting requests, KV tokens used and
+    their share, prefix-cache hit rate); with data-parallel cores, one merged entry.
+    format=prometheus gives the same numbers as text."""
+    if include:
+        sections = {s.strip() for s in include.split(",")}
+        unknown = sorted(sections - LOAD_SECTIONS)
+        if unknown:
+            raise bad_request(f"include: unknown sections {unknown}; choose from "
+                              f"{', '.join(sorted(LOAD_SECTIONS))}", "query.include")  # fmt: skip
+    if format not in (None, "json", "prometheus"):
+        raise bad_request("format: must be json or prometheus", "query.format")
+    engine = get_engine(request)
+    stats = (await call_verb(request, LOADS, "get_stats")).result
+    loads = [] if dp_rank not in (None, 0) else [_load(stats, engine.config)]
+    if format == "prometheus":
+        return _prometheus(loads)
+    running = sum(load["num_running_reqs"] for load in loads)
+    waiting = sum(load["num_waiting_reqs"] for load in loads)
+    return {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "version": hotswap.__version__,
+        "dp_rank_count": len(loads),
+        "loads": loads,
+        "aggregate": {
+            "total_running_reqs": running,
+            "total_waiting_reqs": waiting,
+            "total_reqs": running + waiting,
+            "avg_token_usage": round(sum(load["token_usage"] for load in loads) / len(loads), 4)
+            if loads
+            else 0.0,
+        },
+    }
+
+
+def _load(stats: dict[str, Any], config: Any) -> dict[str, Any]:
+    block = config.cache.block_size
+    blocks, free = int(stats["num_blocks"]), int(stats["num_free_blocks"])
+    running, waiting = int(stats["num_running"]), int(stats["num_waiting"])
+    return {
+        "dp_rank": 0,
+        "num_running_reqs": running,
+        "num_waiting_reqs": waiting,
+        "num_used_tokens": (blocks - free) * block,
+        "max_total_num_tokens": blocks * block,
+        "token_usage": float(stats["kv_usage"]),
+        "cache_hit_rate": float(stats["prefix_cache_hit_rate"]),
+        "max_running_requests": config.scheduler.max_num_seqs,
+        "num_total_reqs": running + waiting,
+    }
+
+
+def _prometheus(loads: list[dict[str, Any]]) -> Response:
+    lines = []
+    for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
+                "max_total_num_tokens", "token_usage", "cache_hit_rate"):  # fmt: skip
+        lines.append(f"# TYPE sglang_{key} gauge")
+        lines.extend(f'sglang_{key}{{dp_rank="{load["dp_rank"]}"}} {load[key]}' for load in loads)
+    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# -- shared ------------------------------------------------------------------------------
+async def _read(request: Request, path: str, fields: frozenset[str]) -> dict[str, Any]:
+    """The JSON body's known fields; unknown ones are ignored with a logged warning (or
+    refused with --reject-unknown-fields), as on every other route."""
+    body = await json_object(request)
+    unknown = sorted(set(body) - fields)
+    if unknown and get_server_config(request).reject_unknown_fields:
+        raise bad_request(f"{unknown[0]}: unknown field", f"body.{unknown[0]}")
+    if unknown:
+        logger.warning("POST %s: ignored unknown fields %s", path, unknown)
+    return {k: v for k, v in body.items() if k in fields}
+
+
+def _group_name(values: dict[str, Any]) -> str:
+    name = values.get("group_name", DEFAULT_GROUP)
+    if not isinstance(name, str) or not 0 < len(name) <= 256:
+        raise bad_request("group_name: must be a string of 1 to 256 characters",
+                          "body.group_name")  # fmt: skip
+    return name

@@ -1,0 +1,215 @@
+"""HTTP routes as declarations over the control verbs (hotswap/engine/verbs.py).
+
+A dialect (vLLM, SGLang, TRL, ...) is a list of `VerbRoute`s: the path, which verb it
+invokes, where its arguments come from (query string or JSON body), how its wire names map
+onto the verb's arguments, and how the verb's answer is shaped. One generic endpoint reads
+the input, validates it once (`verbs.make_args`), calls the engine and answers; a refusal
+names the field in the route's own spelling (`body.weight_version`, `query.mode`).
+
+Unknown fields are ignored with a logged warning, as vLLM does (RL clients send fields they
+don't need answered); `--reject-unknown-fields` makes them a 400.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import types
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+from fastapi import APIRouter, Request
+
+from hotswap.engine import verbs
+from hotswap.engine.errors import InvalidArgument
+from hotswap.entrypoints.errors import APIError, bad_request
+from hotswap.entrypoints.limits import check_json, printable_field
+from hotswap.entrypoints.openai.params import warn_ignored_fields
+from hotswap.entrypoints.state import get_engine, get_metrics, get_server_config
+
+logger = logging.getLogger(__name__)
+
+Source = Literal["query", "body"]
+
+
+@dataclass(frozen=True)
+class Done:
+    """A verb's answer as a route shapes it."""
+
+    result: Any
+    args: verbs.Args
+    seconds: float
+
+
+def _ok(done: Done) -> dict[str, Any]:
+    return {"success": True}
+
+
+@dataclass(frozen=True)
+class VerbRoute:
+    path: str
+    verb: str
+    method: str = "POST"
+    source: Source = "body"
+    # wire name -> the verb's argument (names not listed are the verb's own)
+    names: Mapping[str, str] = field(default_factory=dict)
+    # Dialect-specific reshaping of the wire values into the verb's arguments (after
+    # renaming); raises InvalidArgument with the wire name for values only it refuses.
+    translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # Wire fields only `translate` reads (not the verb's own arguments).
+    consumes: frozenset[str] = frozenset()
+    # Wire fields a dialect sends that mean nothing here: accepted silently.
+    ignored: frozenset[str] = frozenset()
+    answer: Callable[[Done], Any] = _ok
+
+
+def add_verb_routes(router: APIRouter, routes: Iterable[VerbRoute]) -> None:
+    for route in routes:
+        router.add_api_route(
+            route.path, _endpoint(route), methods=[route.method], name=f"{route.verb} {route.path}"
+        )
+
+
+def _endpoint(route: VerbRoute) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> Any:
+        args = route_args(route, await read_values(request, route))
+        return route.answer(await call_route(request, route, args))
+
+    endpoint.__doc__ = f"{route.method} {route.path}: the `{route.verb}` verb."
+    return endpoint
+
+
+async def call_route(request: Request, route: VerbRoute, args: verbs.Args) -> Done:
+    """Invoke the verb; the engine's own refusals name the field in the route's spelling."""
+    start = time.perf_counter()
+    try:
+        result = await get_engine(request).call_with(args)
+    except InvalidArgument as e:
+        get_metrics(request).observe_verb(args, time.perf_counter() - start, ok=False)
+        raise _refusal(route, e) from None
+    except Exception:
+        get_metrics(request).observe_verb(args, time.perf_counter() - start, ok=False)
+        raise
+    seconds = time.perf_counter() - start
+    get_metrics(request).observe_verb(args, seconds)
+    return Done(result, args, seconds)
+
+
+async def read_values(request: Request, route: VerbRoute) -> dict[str, Any]:
+    """The route's input as {wire name: value}; unknown names dropped (or refused)."""
+    if route.source == "query":
+        values = _query_values(request, route)
+    else:
+        values = await json_object(request)
+    known = set(_fields(route.verb)) | set(route.names) | route.consumes | route.ignored
+    unknown = sorted(set(values) - known)
+    if unknown and get_server_config(request).reject_unknown_fields:
+        name = printable_field(unknown[0])
+        raise bad_request(f"{name}: unknown field (this server runs with "
+                          f"--reject-unknown-fields)", f"{route.source}.{name}")  # fmt: skip
+    if unknown and route.source == "body":
+        warn_ignored_fields(request.url.path, unknown)
+    return {k: v for k, v in values.items() if k in known and k not in route.ignored}
+
+
+def route_args(route: VerbRoute, values: dict[str, Any]) -> verbs.Args:
+    """Rename, translate and validate; a refusal names the wire field."""
+    try:
+        renamed = {route.names.get(k, k): v for k, v in values.items()}
+        if route.translate is not None:
+            renamed = route.translate(renamed)
+        return verbs.make_args(route.verb, renamed, lax=route.source == "query")
+    except InvalidArgument as e:
+        raise _refusal(route, e) from None
+
+
+def _refusal(route: VerbRoute, error: InvalidArgument) -> APIError:
+    if error.field is None:
+        return bad_request(str(error))
+    head, _, rest = error.field.partition(".")
+    wire = {arg: name for name, arg in route.names.items()}.get(head, head)
+    where = f"{route.source}.{wire}" + (f".{rest}" if rest else "")
+    message = str(error)
+    if wire != head and message.startswith(f"{head}:"):
+        message = wire + message[len(head) :]
+    return bad_request(message, where)
+
+
+def _query_values(request: Request, route: VerbRoute) -> dict[str, Any]:
+    fields = _fields(route.verb)
+    params = request.query_params
+    values: dict[str, Any] = {}
+    for name in params:
+        arg = route.names.get(name, name)
+        is_list = arg in fields and _is_list(fields[arg])
+        values[name] = params.getlist(name) if is_list else params[name]
+    return values
+
+
+def _fields(verb: str) -> dict[str, Any]:
+    return {f.name: f.type for f in msgspec.structs.fields(verbs.VERBS[verb].args)}
+
+
+def _is_list(field_type: Any) -> bool:
+    origin = typing.get_origin(field_type)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_list(part) for part in typing.get_args(field_type))
+    return origin is list
+
+
+async def json_object(request: Request, allow_list: bool = False) -> Any:
+    """An optional JSON object body (or list, if allowed): empty means {}. Strings are
+    valid Unicode and nesting is bounded (see limits.json_problem)."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise bad_request("Invalid JSON format", "body") from None
+    except RecursionError:
+        raise bad_request("body: JSON nested too deeply", "body") from None
+    if not isinstance(body, dict) and not (allow_list and isinstance(body, list)):
+        raise bad_request("body: must be a JSON object", "body")
+    check_json(body)
+    return body
+
+
+async def call_verb(request: Request, route: VerbRoute, verb: str, **values: Any) -> Done:
+    """Invoke another verb from a route that composes several (a dialect whose one call
+    is a whole weight round); `values` use the verb's own names."""
+    try:
+        args = verbs.make_args(verb, values)
+    except InvalidArgument as e:
+        raise _refusal(route, e) from None
+    return await call_route(request, route, args)
+
+
+async def weight_round(
+    request: Request,
+    route: VerbRoute,
+    chunks: list[dict[str, Any]],
+    weight_version: str | None = None,
+    is_checkpoint_format: bool = True,
+) -> Done:
+    """A whole round in one call: start, receive each chunk (an `update_info`), commit.
+    Any failure after the start aborts the round (the old weights keep serving, nothing
+    is half-applied) and is raised as it was."""
+    await call_verb(
+        request, route, "start_weight_update", is_checkpoint_format=is_checkpoint_format
+    )
+    try:
+        for chunk in chunks:
+            await call_verb(request, route, "update_weights", update_info=chunk)
+        return await call_verb(
+            request, route, "finish_weight_update", weight_version=weight_version
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await get_engine(request).call("finish_weight_update", abort=True)
+        raise

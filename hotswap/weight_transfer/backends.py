@@ -1,0 +1,62 @@
+"""The built-in backends and the lookups by backend name, on both sides of a transfer.
+
+Each backend registers itself when imported (`register_backend`, `register_trainer`). The
+backends import `engine` and `trainer`, so the lookups, which must see every backend, live
+here, above all of them."""
+
+from __future__ import annotations
+
+import torch
+
+from hotswap.errors import InvalidArgument
+from hotswap.weight_transfer import (  # noqa: F401 - imported to register them
+    broadcast,
+    broadcast_trainer,
+    disk,
+    ipc,
+    sparse,
+)
+from hotswap.weight_transfer.base import WeightSource
+from hotswap.weight_transfer.clients import WeightSyncClient
+from hotswap.weight_transfer.config import WeightTransferConfig
+from hotswap.weight_transfer.engine import ENGINE_BACKENDS, WeightTransferEngine
+from hotswap.weight_transfer.trainer import (
+    TRAINER_BACKENDS,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    register_trainer,
+)
+
+
+def get_backend(name: str) -> type[WeightTransferEngine]:
+    """The worker-side engine class registered under `name`; InvalidArgument if none is."""
+    if name not in ENGINE_BACKENDS:
+        choices = ", ".join(sorted(ENGINE_BACKENDS))
+        raise InvalidArgument("backend", f"backend: unknown {name!r}; choose from {choices}")
+    return ENGINE_BACKENDS[name]
+
+
+def create_transfer_engine(
+    config: WeightTransferConfig, device: torch.device
+) -> WeightTransferEngine:
+    engine = get_backend(config.backend)(device)
+    engine.allowed_master_addresses = config.allowed_master_addresses
+    return engine
+
+
+class WeightTransferTrainerFactory:
+    register = staticmethod(register_trainer)
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: TrainerInitInfo, client: WeightSyncClient, source: WeightSource
+    ) -> TrainerWeightTransferEngine:
+        engine_cls = TRAINER_BACKENDS.get(init_info.backend)
+        if engine_cls is None:
+            raise InvalidArgument(
+                "init_info", f"init_info: no trainer engine for backend {init_info.backend!r}"
+            )
+        engine = engine_cls(init_info, client, source)
+        if engine.is_sender:
+            engine.connect()
+        return engine
