@@ -194,14 +194,22 @@ class AsyncLLM:
         return await self.call("prepare_weight_update")
 
     async def finish_weight_update(
-        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
+        self,
+        weight_version: str | None = None,
+        abort: bool = False,
+        digest: bool = False,
+        kv_policy: str | None = None,
     ) -> dict[str, Any]:
         """Apply the staged weights all at once and commit version + 1 labelled
         `weight_version`; `abort=True` drops the round instead. Returns {version, label,
         digest} as of this commit; `digest` (a blake2b of the weights, as `get_weight_info`
         gives) only when asked for, since it reads every weight, otherwise None."""
         return await self.call(
-            "finish_weight_update", weight_version=weight_version, abort=abort, digest=digest
+            "finish_weight_update",
+            weight_version=weight_version,
+            abort=abort,
+            digest=digest,
+            kv_policy=kv_policy,
         )
 
     async def get_world_size(self) -> int:

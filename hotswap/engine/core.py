@@ -96,9 +96,16 @@ class EngineCore:
     def has_work(self) -> bool:
         # Nothing runs while any part sleeps or level-2 weights have not been sent again.
         sleep = self.sleep_state
-        if sleep.asleep or sleep.weights_missing or self.weight_sync.round_open:
+        if sleep.asleep or sleep.weights_missing or self.round_blocks_steps:
             return False
         return self.scheduler.has_work()
+
+    @property
+    def round_blocks_steps(self) -> bool:
+        """An open round stops generation unless it is received in flight (beside the
+        steps, on the committed weights, switched at `finish` between two steps)."""
+        sync = self.weight_sync
+        return sync.round_open and not (sync.config is not None and sync.config.in_flight)
 
     def get_stats(self) -> dict[str, int | float | str]:
         sched = self.scheduler
@@ -235,10 +242,12 @@ class EngineCore:
         self.weight_sync.start(is_checkpoint_format)
 
     def finish_weight_update(
-        self, label: str | None = None, abort: bool = False
+        self, label: str | None = None, abort: bool = False, kv_policy: str | None = None
     ) -> list[EngineCoreOutput]:
         """Apply the round and commit version + 1 (`label`, or the current label). Returns
-        requests aborted by `max_weight_lag`."""
+        requests aborted by `max_weight_lag`. Requests running across the switch keep their
+        KV (`keep`: later tokens are marked stale) or drop it and recompute it under the
+        new weights before their next token (`recompute`)."""
         checkpoint = (
             self.weight_sync.round is not None and self.weight_sync.round.is_checkpoint_format
         )
@@ -252,7 +261,11 @@ class EngineCore:
         missing = self.sleep_state.weights_missing
         if missing and self.weight_sync.covers_model(staged, checkpoint):
             self.sleep_state.weights_missing = False
-        return self.update_weight_version(label or self.weight_label)
+        outputs = self.update_weight_version(label or self.weight_label)
+        config = self.weight_sync.config
+        if (kv_policy or (config.kv_policy if config else "keep")) == "recompute":
+            self.scheduler.drop_running_kv()
+        return outputs
 
     def _refuse_while_weights_sleep(self, what: str) -> None:
         if WEIGHTS in self.sleep_state.asleep:
@@ -335,7 +348,7 @@ class EngineCore:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
-        if self.weight_sync.round_open:  # the loop never gets here; direct callers might
+        if self.round_blocks_steps:  # the loop never gets here; direct callers might
             raise EngineStateError(
                 "a weight update round is open: no step runs until finish_weight_update"
             )

@@ -9,7 +9,9 @@ Calls that wait on a trainer (joining a transfer group, receiving a chunk of wei
 on a worker thread, so the loop keeps answering everything else (health checks, pause,
 stats, new requests) meanwhile. Calls that touch the weights or the transfer channel wait
 behind them, in order (verbs.py declares which verb does which). No step runs while a
-chunk is received: the round is open.
+round is open, unless the round is in flight (`in_flight`): then steps keep running on
+the committed weights while the worker thread stages chunks, and the commit lands between
+two steps.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class EngineCoreLoop:
                     self.outputs.extend(self.core.step())
                     self._complete_pauses()
                     self._flush()
+                    self._expire_idle_round()
         except Exception:  # noqa: BLE001 - the engine is dead: tell every stream why
             logger.exception("engine core loop died")
             self.failed = True
@@ -117,6 +120,12 @@ class EngineCoreLoop:
             except queue.Empty:
                 return
             self._handle(kind, payload)
+
+    def _expire_idle_round(self) -> None:
+        """An in-flight round (steps keep running) whose trainer went quiet is aborted
+        between steps; an idle engine checks while it waits for inputs."""
+        if self.core.weight_sync.round_open and not self.background_busy:
+            self.core.weight_sync.expire(self.core.round_timeout_s)
 
     def _handle(self, kind: InputKind, payload: Any) -> None:
         if kind == InputKind.ADD:

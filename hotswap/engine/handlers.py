@@ -48,7 +48,7 @@ def _load_weights_from_disk(
 def _finish_weight_update(
     core: EngineCore, args: verbs.FinishWeightUpdate, out: Outputs
 ) -> dict[str, Any]:
-    out.extend(core.finish_weight_update(args.weight_version, args.abort))
+    out.extend(core.finish_weight_update(args.weight_version, args.abort, args.kv_policy))
     answer = core.committed_weights(args.digest and not args.abort)
     if args.checksum and not args.abort:
         answer["checksums"] = core.weight_checksums()

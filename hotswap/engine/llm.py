@@ -117,11 +117,19 @@ class LLM:
         return self.call("prepare_weight_update")
 
     def finish_weight_update(
-        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
+        self,
+        weight_version: str | None = None,
+        abort: bool = False,
+        digest: bool = False,
+        kv_policy: str | None = None,
     ) -> dict[str, Any]:
         """Commit the round (see AsyncLLM); returns {version, label, digest}."""
         return self.call(
-            "finish_weight_update", weight_version=weight_version, abort=abort, digest=digest
+            "finish_weight_update",
+            weight_version=weight_version,
+            abort=abort,
+            digest=digest,
+            kv_policy=kv_policy,
         )
 
     def update_weight_version(self, label: str) -> dict[str, Any]:

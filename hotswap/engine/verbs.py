@@ -14,6 +14,7 @@ field (`InvalidArgument.field`), so an HTTP 400 says which field without parsing
 from __future__ import annotations
 
 import enum
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -123,6 +124,10 @@ class FinishWeightUpdate(Args, tag="finish_weight_update"):
     abort: bool = False
     digest: bool = False  # hotswap: a blake2b of every weight, as get_weight_info gives
     checksum: bool = False  # vLLM: one SHA-256 per tensor, keyed by rank and name
+    # Requests running across the switch: continue on their KV (later tokens are stale)
+    # or recompute it under the new weights before their next token (None: the weight
+    # transfer config's kv_policy, "keep" by default).
+    kv_policy: Literal["keep", "recompute"] | None = None
 
 
 class GetWorldSize(Args, tag="get_world_size"):
@@ -225,7 +230,7 @@ def make_args(verb: str, values: dict[str, Any], *, lax: bool = False) -> Args:
     declared = VERBS.get(verb)
     if declared is None:
         raise InvalidArgument("method", f"method: {verb!r} is not a control verb")
-    fields = {f.name: f for f in msgspec.structs.fields(declared.args)}
+    fields = argument_fields(verb)
     for name in values:
         if name not in fields:
             raise InvalidArgument(name, f"{name}: {verb} takes no such argument")
@@ -236,6 +241,12 @@ def make_args(verb: str, values: dict[str, Any], *, lax: bool = False) -> Args:
     if missing:
         raise InvalidArgument(missing[0], f"{missing[0]}: required")
     return declared.args(**checked)
+
+
+@functools.cache
+def argument_fields(verb: str) -> dict[str, msgspec.structs.FieldInfo]:
+    """The verb's arguments by name (a declared verb's)."""
+    return {f.name: f for f in msgspec.structs.fields(VERBS[verb].args)}
 
 
 def _convert(name: str, value: Any, field_type: Any, lax: bool) -> Any:

@@ -3,9 +3,11 @@
 A round stages every received tensor, validated before it is received into the stage
 (names, shapes, dtypes); the model is written only at `finish`, all at once. So a round
 that fails before `finish` (bad chunk, dead trainer, timeout) leaves the engine serving its
-previous weights, and no step ever sees a half-updated model (the engine runs no step while
-a round is open). No backup is kept: a write failing midway at `finish` (not expected after
-validation) marks the weights incomplete, and no step runs until a complete round lands.
+previous weights, and no step ever sees a half-updated model: the engine runs no step while
+a round is open, or, with `in_flight`, keeps stepping on the committed weights while chunks
+are staged beside it, and `finish` writes the stage between two steps. No backup is
+kept: a write failing midway at `finish` (not expected after validation) marks the weights
+incomplete, and no step runs until a complete round lands.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import msgspec
 from fastapi import APIRouter, Request
 
 from hotswap.engine import verbs
@@ -55,7 +54,7 @@ class VerbRoute:
     path: str
     verb: str
     method: str = "POST"
-    source: Source = "body"
+    source: Source = "body"  # a GET route reads its query string whatever this says
     # wire name -> the verb's argument (names not listed are the verb's own)
     names: Mapping[str, str] = field(default_factory=dict)
     # Dialect-specific reshaping of the wire values into the verb's arguments (after
@@ -66,6 +65,11 @@ class VerbRoute:
     # Wire fields a dialect sends that mean nothing here: accepted silently.
     ignored: frozenset[str] = frozenset()
     answer: Callable[[Done], Any] = _ok
+
+    @property
+    def location(self) -> Source:
+        """Where the arguments are read from: a GET has no body."""
+        return "query" if self.method == "GET" else self.source
 
 
 def add_verb_routes(router: APIRouter, routes: Iterable[VerbRoute]) -> None:
@@ -102,7 +106,7 @@ async def call_route(request: Request, route: VerbRoute, args: verbs.Args) -> Do
 
 async def read_values(request: Request, route: VerbRoute) -> dict[str, Any]:
     """The route's input as {wire name: value}; unknown names dropped (or refused)."""
-    if route.source == "query":
+    if route.location == "query":
         values = _query_values(request, route)
     else:
         values = await json_object(request)
@@ -111,8 +115,8 @@ async def read_values(request: Request, route: VerbRoute) -> dict[str, Any]:
     if unknown and get_server_config(request).reject_unknown_fields:
         name = printable_field(unknown[0])
         raise bad_request(f"{name}: unknown field (this server runs with "
-                          f"--reject-unknown-fields)", f"{route.source}.{name}")  # fmt: skip
-    if unknown and route.source == "body":
+                          f"--reject-unknown-fields)", f"{route.location}.{name}")  # fmt: skip
+    if unknown and route.location == "body":
         warn_ignored_fields(request.url.path, unknown)
     return {k: v for k, v in values.items() if k in known and k not in route.ignored}
 
@@ -123,7 +127,7 @@ def route_args(route: VerbRoute, values: dict[str, Any]) -> verbs.Args:
         renamed = {route.names.get(k, k): v for k, v in values.items()}
         if route.translate is not None:
             renamed = route.translate(renamed)
-        return verbs.make_args(route.verb, renamed, lax=route.source == "query")
+        return verbs.make_args(route.verb, renamed, lax=route.location == "query")
     except InvalidArgument as e:
         raise _refusal(route, e) from None
 
@@ -133,7 +137,7 @@ def _refusal(route: VerbRoute, error: InvalidArgument) -> APIError:
         return bad_request(str(error))
     head, _, rest = error.field.partition(".")
     wire = {arg: name for name, arg in route.names.items()}.get(head, head)
-    where = f"{route.source}.{wire}" + (f".{rest}" if rest else "")
+    where = f"{route.location}.{wire}" + (f".{rest}" if rest else "")
     message = str(error)
     if wire != head and message.startswith(f"{head}:"):
         message = wire + message[len(head) :]
@@ -152,7 +156,7 @@ def _query_values(request: Request, route: VerbRoute) -> dict[str, Any]:
 
 
 def _fields(verb: str) -> dict[str, Any]:
-    return {f.name: f.type for f in msgspec.structs.fields(verbs.VERBS[verb].args)}
+    return {name: f.type for name, f in verbs.argument_fields(verb).items()}
 
 
 def _is_list(field_type: Any) -> bool:

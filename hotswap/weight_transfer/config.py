@@ -15,6 +15,7 @@ from hotswap.errors import InvalidArgument, nested
 
 # The backend names a config may choose: the built-in backends, and any name
 # `register_backend` adds. Names only: looking up a class needs the backends imported.
+KV_POLICIES = ("keep", "recompute")
 BACKEND_NAMES: set[str] = {"disk", "gloo", "ipc", "nccl", "sparse"}
 
 
@@ -58,6 +59,14 @@ class WeightTransferConfig:
     # allocate per round (on a GPU short of memory). Sleep (level >= 1) drops them.
     # The ipc backend stages views of the trainer's memory and uses no buffers.
     reuse_receive_buffers: bool = True
+    # Generation keeps running on the committed weights while a round is open: chunks are
+    # received and staged beside the steps, and `finish` switches weights between two
+    # steps (issue 14). Off: no step runs from `start` to `finish`.
+    in_flight: bool = False
+    # What requests running across a commit do, unless the finish call says otherwise:
+    # "keep" their KV (tokens after the switch are marked stale) or "recompute" it under
+    # the new weights before their next token.
+    kv_policy: str = "keep"
 
     def __post_init__(self) -> None:
         timeout = self.round_timeout_s
@@ -69,6 +78,12 @@ class WeightTransferConfig:
             raise InvalidArgument(
                 "round_timeout_s", f"round_timeout_s: must be a positive number, got {timeout!r}"
             )
+        for flag in ("require_complete", "reuse_receive_buffers", "in_flight"):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidArgument(flag, f"{flag}: must be a boolean")
+        if self.kv_policy not in KV_POLICIES:
+            raise InvalidArgument("kv_policy", f"kv_policy: must be one of "
+                                  f"{', '.join(KV_POLICIES)}, got {self.kv_policy!r}")  # fmt: skip
         allowed = self.allowed_master_addresses
         if allowed is not None:
             if isinstance(allowed, str) or not all(isinstance(a, str) and a for a in allowed):

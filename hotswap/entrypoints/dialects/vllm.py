@@ -46,6 +46,17 @@ def _finished(done: Done) -> dict[str, Any]:
     return answer
 
 
+def _pause_args(values: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's deprecated `wait_for_inflight_requests=true` means mode `wait`."""
+    wait = values.pop("wait_for_inflight_requests", "false")
+    if str(wait).lower() in ("true", "1"):
+        if values.get("mode", "wait") != "wait":
+            raise InvalidArgument("wait_for_inflight_requests", "wait_for_inflight_requests: "
+                                  "contradicts mode; send mode=wait")  # fmt: skip
+        values["mode"] = "wait"
+    return values
+
+
 def _finish_args(values: dict[str, Any]) -> dict[str, Any]:
     """vLLM's RFC names the label `weight_label`; it is the same thing as `weight_version`."""
     label = values.pop("weight_label", None)
@@ -71,7 +82,14 @@ def _slept(done: Done) -> dict[str, Any]:
 
 ROUTES = [
     # scheduling
-    VerbRoute("/pause", "pause", source="query", answer=lambda d: {"status": "paused"}),
+    VerbRoute(
+        "/pause",
+        "pause",
+        source="query",
+        translate=_pause_args,
+        consumes=frozenset({"wait_for_inflight_requests"}),
+        answer=lambda d: {"status": "paused"},
+    ),
     VerbRoute("/resume", "resume", answer=lambda d: {"status": "resumed"}),
     VerbRoute("/is_paused", "is_paused", "GET", answer=lambda d: {"is_paused": d.result}),
     VerbRoute(
