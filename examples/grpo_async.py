@@ -17,7 +17,10 @@ After each optimizer step: pause the engine in place (`keep`: requests in flight
 frozen, not lost), push the weights (`--transport ipc`, the default: the trainer's
 parameters live in shared memory, so the engine copies each weight once; or `gloo`), and
 resume. `send_weights()` returns the committed version, which is what token versions are
-compared with.
+compared with. `--in-flight` pushes without a pause: the engine keeps generating on the
+old weights while the new ones arrive and switches between two steps (requests in flight
+recompute their KV then), so rollouts never idle during a push; the price is that tokens
+sampled during the push carry the old version, one more version of staleness for them.
 
     --mode sync    generate batch k, train on it, push; repeat
     --mode async   one-step-off: batch k+1 is generated while batch k trains (the push
@@ -125,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--clip-eps", type=float, default=0.2)
     p.add_argument("--max-staleness", type=int, default=1, help="in weight versions")
+    p.add_argument("--in-flight", action="store_true",
+                   help="push without pausing: rollouts keep generating while the weights "
+                   "arrive, and requests in flight recompute their KV at the switch")  # fmt: skip
     p.add_argument("--train-layers", type=int, default=4, help="top decoder layers; -1 all")
     p.add_argument("--dtype", default="float32", help="engine dtype")
     p.add_argument("--lm-head-dtype", default=None, help="engine LM head dtype")
@@ -215,13 +221,20 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+def in_flight_config(args: argparse.Namespace) -> dict[str, Any]:
+    """--in-flight: rounds are received beside the steps and switched between two; the
+    requests running across the switch recompute their KV under the new weights, so
+    their later tokens are exactly on the new policy (not stale)."""
+    return {"in_flight": True, "kv_policy": "recompute"} if args.in_flight else {}
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": args.dtype,
         "lm_head_dtype": args.lm_head_dtype,
         "num_threads": args.engine_threads,
         "logprobs_mode": "processed_logprobs",
-        "weight_transfer_config": {"backend": args.transport},
+        "weight_transfer_config": {"backend": args.transport, **in_flight_config(args)},
         "seed": args.seed,
     }
 
@@ -483,7 +496,12 @@ class GRPO:
         self.version = self.push("initial")  # the engine starts from the trainer's weights
 
     def push(self, label: str) -> int:
-        """Pause in place, send every weight, resume; the committed version."""
+        """Pause in place, send every weight, resume; the committed version. With
+        --in-flight there is no pause: rollouts keep generating on the old weights while
+        the new ones arrive (tokens sampled meanwhile carry the old version, so they count
+        one version staler), and the switch lands between two engine steps."""
+        if self.args.in_flight:
+            return self.sync.send_weights(label).version
         self.loop.run(self.engine.pause())
         try:
             committed = self.sync.send_weights(label)

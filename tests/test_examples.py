@@ -79,3 +79,18 @@ def test_grpo_recipe_compare_over_http_and_gloo(tmp_path: Path) -> None:
     assert [s["mode"] for s in summaries(result.stdout)] == ["sync", "async"]
     assert all(s["max_abs_dlogp"] <= 1e-4 for s in summaries(result.stdout))
     assert "async is" in result.stdout and plot.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpo_recipe_with_in_flight_pushes(tmp_path: Path) -> None:
+    """--in-flight: pushes without pausing (kv_policy recompute); the reward still rises
+    and on-policy tokens still match the trainer's logprobs."""
+    log = tmp_path / "grpo.json"
+    run_grpo("--mode", "async", "--steps", "8", "--temperature", "0.7", "--in-flight",
+             "--log-json", str(log))  # fmt: skip
+    summary = json.loads(log.read_text())["summary"]
+    assert summary["steps"] == 8
+    assert summary["reward_last"] >= summary["reward_first"] + 0.2, summary
+    assert summary["on_policy_tokens"] > 0
+    assert summary["max_abs_dlogp"] <= 1e-4, summary

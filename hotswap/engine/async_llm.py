@@ -11,7 +11,7 @@ import asyncio
 import collections
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from hotswap.engine.verbs import Args, make_args
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
+from hotswap.weight_transfer.inline import inline_tensors
 
 
 class AsyncLLM:
@@ -171,6 +172,19 @@ class AsyncLLM:
         nothing) and commit a new version; returns {version, label}."""
         return await self.call(
             "load_weights_from_disk", model_path=model_path, weight_version=weight_version
+        )
+
+    async def load_weights_inline(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """Load these tensors by value (checkpoint names; only they change) between two
+        steps, validated and all or nothing as a disk reload, and commit a new version
+        labelled `weight_version` (default: the current label); returns {version, label}.
+        Their bytes travel in the call: for whole models use a weight transfer backend."""
+        return await self.call(
+            "load_weights_inline", tensors=inline_tensors(tensors), weight_version=weight_version
         )
 
     # -- weight transfer: the four phases (DESIGN §4) ------------------------------------

@@ -25,6 +25,7 @@ from hotswap.engine.sleep import (
     SleepState,
     tags_for_level,
 )
+from hotswap.engine.verbs import InlineTensor
 from hotswap.engine.weight_sync import WeightApplyError, WeightSync
 from hotswap.engine.worker import WorkerExtension, load_extension_class
 from hotswap.errors import InvalidArgument
@@ -228,6 +229,24 @@ class EngineCore:
             raise
         self.sleep_state.weights_missing = False
         return self.update_weight_version(label or model_dir)
+
+    def load_weights_inline(
+        self, tensors: list[InlineTensor], label: str | None = None
+    ) -> list[EngineCoreOutput]:
+        """Load tensors sent by value (verbs.InlineTensor; only those change) in one
+        validated, all-or-nothing round between steps, as a disk reload, and commit a new
+        version labelled `label` (default: the current label); returns requests aborted by
+        `max_weight_lag`."""
+        self._refuse_while_weights_sleep("load_weights_inline")
+        self._refuse_during_weight_round("load_weights_inline")
+        try:
+            staged = self.weight_sync.load_inline(tensors)
+        except WeightApplyError:
+            self.sleep_state.weights_missing = True
+            raise
+        if self.sleep_state.weights_missing and self.weight_sync.covers_model(staged, True):
+            self.sleep_state.weights_missing = False
+        return self.update_weight_version(label or self.weight_label)
 
     # -- weight transfer (DESIGN §4) --------------------------------------------------------
     def leave_weight_transfer(self) -> bool:

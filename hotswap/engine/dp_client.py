@@ -166,6 +166,8 @@ def _merge(method: str, results: list[UtilityResult]) -> UtilityResult:
         return UtilityResult(first.call_id, result=any(values))
     if merge == verbs.Merge.STATS:
         return UtilityResult(first.call_id, result=_merge_stats(values))
+    if merge == verbs.Merge.UNION:
+        return UtilityResult(first.call_id, result={k: v for d in values for k, v in d.items()})
     if merge == verbs.Merge.PER_RANK:  # each rank answers a list of its own
         return UtilityResult(first.call_id, result=[item for value in values for item in value])
     if merge == verbs.Merge.DIGEST:

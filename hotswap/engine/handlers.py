@@ -45,6 +45,13 @@ def _load_weights_from_disk(
     return core.get_weight_version()
 
 
+def _load_weights_inline(
+    core: EngineCore, args: verbs.LoadWeightsInline, out: Outputs
+) -> dict[str, Any]:
+    out.extend(core.load_weights_inline(args.tensors, args.weight_version))
+    return core.get_weight_version()
+
+
 def _finish_weight_update(
     core: EngineCore, args: verbs.FinishWeightUpdate, out: Outputs
 ) -> dict[str, Any]:
@@ -60,6 +67,20 @@ def _update_weight_version(
 ) -> dict[str, Any]:
     out.extend(core.update_weight_version(args.label))
     return core.get_weight_version()
+
+
+def _collective_rpc(core: EngineCore, args: verbs.CollectiveRpc, out: Outputs) -> list:
+    """A list of one: the DP front-end concatenates the ranks' lists (Merge.PER_RANK).
+    `reload_weights` is vLLM's built-in worker method (reload the served checkpoint, e.g.
+    after a level-2 sleep) unless the extension defines its own: here a disk reload of
+    the model directory, committed as a new version."""
+    extension = core.worker_extension
+    if args.method == "reload_weights" and (
+        extension is None or "reload_weights" not in extension.methods
+    ):
+        out.extend(core.load_weights_from_disk(str(core.config.model.path)))
+        return [None]
+    return [core.collective_rpc(args.method, args.args, args.kwargs)]
 
 
 def _get_world_size(core: EngineCore, args: verbs.GetWorldSize, out: Outputs) -> int:
@@ -81,6 +102,7 @@ HANDLERS: dict[str, Handler] = {
     "wake_up": lambda core, args, out: core.wake_up(args.tags),
     "is_sleeping": lambda core, args, out: core.sleep_state.is_sleeping,
     "load_weights_from_disk": _load_weights_from_disk,
+    "load_weights_inline": _load_weights_inline,
     "init_weight_transfer_engine": lambda core, args, out: core.weight_sync.init(args.init_info),
     "leave_weight_transfer": lambda core, args, out: core.leave_weight_transfer(),
     "start_weight_update": lambda core, args, out: core.start_weight_update(
@@ -95,10 +117,8 @@ HANDLERS: dict[str, Handler] = {
     "get_weight_version": lambda core, args, out: core.get_weight_version(),
     "update_weight_label": lambda core, args, out: core.set_weight_label(args.label),
     "weight_update_active": lambda core, args, out: core.weight_sync.round_open,
-    # A list of one: the DP front-end concatenates the ranks' lists (Merge.PER_RANK).
-    "collective_rpc": lambda core, args, out: [
-        core.collective_rpc(args.method, args.args, args.kwargs)
-    ],
+    "collective_rpc": _collective_rpc,
+    "get_weight_checksums": lambda core, args, out: core.weight_checksums() or {},
 }
 
 

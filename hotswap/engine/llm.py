@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -20,6 +20,7 @@ from hotswap.engine.verbs import make_args
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
+from hotswap.weight_transfer.inline import inline_tensors
 
 Message = dict[str, Any]
 
@@ -147,6 +148,16 @@ class LLM:
     ) -> dict[str, Any]:
         return self.call(
             "load_weights_from_disk", model_path=model_path, weight_version=weight_version
+        )
+
+    def load_weights_inline(
+        self,
+        tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
+        """Load these tensors by value (only they change); see AsyncLLM."""
+        return self.call(
+            "load_weights_inline", tensors=inline_tensors(tensors), weight_version=weight_version
         )
 
     # -- internals ------------------------------------------------------------------------

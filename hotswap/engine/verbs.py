@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -40,6 +41,18 @@ Path = Annotated[
 ]
 JSONObject = Annotated[dict[str, Any], msgspec.Meta(description="a JSON object")]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256, description="a name")]
+# The dtypes a tensor can be sent in by value (weight_transfer/base.py names the same).
+TensorDType = Literal[
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
+]
+MAX_TENSOR_DIMS = 16
+TensorName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=1024, description="a tensor's name")
+]
+Shape = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=0)]],
+    msgspec.Meta(max_length=MAX_TENSOR_DIMS, description="a list of sizes"),
+]
 
 
 class Merge(enum.Enum):
@@ -50,6 +63,7 @@ class Merge(enum.Enum):
     ANY = "any"  # flags: true if true on any rank
     STATS = "stats"  # numbers summed, maxed or averaged per key
     DIGEST = "digest"  # rank 0's, but a digest the ranks disagree on is reported as such
+    UNION = "union"  # dicts keyed by rank already (per-tensor checksums): their union
     PER_RANK = "per_rank"  # each rank answers a list: their concatenation (collective_rpc)
 
 
@@ -97,6 +111,31 @@ class IsSleeping(Args, tag="is_sleeping"):
 class LoadWeightsFromDisk(Args, tag="load_weights_from_disk"):
     model_path: Path
     weight_version: Label | None = None  # the new version's label (default: model_path)
+
+
+class InlineTensor(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One tensor sent by value: its raw bytes, little-endian, in C order. From JSON,
+    `data` is their base64 (standard alphabet, padded), decoded where the call enters:
+    the engine core receives the bytes themselves (msgpack's bin). Bytes never become
+    objects other than a tensor of `dtype` and `shape` (nothing is unpickled)."""
+
+    name: TensorName  # the checkpoint (state-dict) name
+    dtype: TensorDType
+    shape: Shape
+    # numel x itemsize bytes, checked by the engine (weight_transfer/inline.py)
+    data: Annotated[bytes, msgspec.Meta(description="the tensor's raw bytes (in JSON: base64)")]
+
+
+class LoadWeightsInline(Args, tag="load_weights_inline"):
+    """Load the tensors sent (a partial update: only those named change; all of them with
+    the weight transfer config's `require_complete`) in one validated, all-or-nothing round,
+    as a disk reload does, and commit a new version. Their size is the caller's to bound:
+    over HTTP, the request body limit (--max-request-body-bytes) does."""
+
+    tensors: Annotated[
+        list[InlineTensor], msgspec.Meta(min_length=1, description="a non-empty list of tensors")
+    ]
+    weight_version: Label | None = None  # the new version's label (default: the current)
 
 
 class InitWeightTransfer(Args, tag="init_weight_transfer_engine"):
@@ -156,6 +195,10 @@ class WeightUpdateActive(Args, tag="weight_update_active"):
     pass
 
 
+class GetWeightChecksums(Args, tag="get_weight_checksums"):
+    """vLLM's per-tensor SHA-256 checksums of the loaded weights (its weight checker)."""
+
+
 # -- the worker extension --------------------------------------------------------------------
 class CollectiveRpc(Args, tag="collective_rpc"):
     """Call a public method of the worker extension named at start (worker.py) on every
@@ -198,6 +241,7 @@ VERBS: dict[str, Verb] = {
         Verb(WakeUp, behind_channel=True),
         Verb(IsSleeping, Merge.ANY),
         Verb(LoadWeightsFromDisk, behind_channel=True),
+        Verb(LoadWeightsInline, behind_channel=True),
         Verb(InitWeightTransfer, behind_channel=True, on_worker=True),
         Verb(LeaveWeightTransfer, Merge.ANY, behind_channel=True),
         Verb(StartWeightUpdate, behind_channel=True),
@@ -210,6 +254,7 @@ VERBS: dict[str, Verb] = {
         Verb(GetWeightVersion),
         Verb(UpdateWeightLabel),
         Verb(WeightUpdateActive, Merge.ANY),
+        Verb(GetWeightChecksums, Merge.UNION),
         # It may touch the weights: it waits behind a transfer, like a round's phases.
         Verb(CollectiveRpc, Merge.PER_RANK, behind_channel=True),
     )
@@ -253,8 +298,74 @@ def _convert(name: str, value: Any, field_type: Any, lax: bool) -> Any:
     try:
         return msgspec.convert(value, field_type, strict=not lax)
     except msgspec.ValidationError as e:
+        nested = _nested_refusal(name, field_type, str(e))
+        if nested is not None:
+            raise nested from None
         raise InvalidArgument(name, f"{name}: must be {_describe(field_type)}, got "
                               f"{_shown(value)} ({e})") from None  # fmt: skip
+
+
+_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
+_SEGMENT = re.compile(r"\[[0-9]+\]|\.\w+")
+_MISSING = re.compile(r"^Object missing required field `(\w+)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$", re.DOTALL)
+
+
+def _nested_refusal(name: str, field_type: Any, error: str) -> InvalidArgument | None:
+    """The refusal of a field inside a struct the argument holds, named by its path
+    (`tensors[3].data`, from msgspec's `... - at `$[3].data``); None when the argument or
+    a plain list's element is at fault (`tags` stays `tags`)."""
+    at = _AT.match(error)
+    if at is None:
+        return None
+    what, path = at.group("what"), at.group("path")
+    segments = _SEGMENT.findall(path)
+    if "".join(segments) != path:  # a dict's key: not a path of fields
+        return None
+    missing, unknown = _MISSING.match(what), _UNKNOWN.match(what)
+    if missing is not None:
+        field = f"{name}{path}.{missing.group(1)}"
+        return InvalidArgument(field, f"{field}: required")
+    if unknown is not None:
+        key = unknown.group(1)
+        field = f"{name}{path}" + (f".{key}" if re.fullmatch(r"\w{1,64}", key) else "")
+        return InvalidArgument(field, f"{field}: no such field ({_shown(key)} is unknown)")
+    last = max((i for i, s in enumerate(segments) if s.startswith(".")), default=None)
+    if last is None:
+        return None
+    field = name + "".join(segments[: last + 1])
+    where = "".join(segments[last + 1 :])
+    expected = _describe(_type_at(field_type, segments[: last + 1]))
+    return InvalidArgument(
+        field, f"{field}: must be {expected} ({what}{f' at {field}{where}' if where else ''})"
+    )
+
+
+def _type_at(field_type: Any, segments: list[str]) -> Any:
+    """The declared type at a path of list indexes and struct fields inside `field_type`."""
+    for segment in segments:
+        field_type = _unwrapped(field_type)
+        if segment.startswith("["):
+            field_type = typing.get_args(field_type)[0]
+        else:
+            fields = {f.name: f.type for f in msgspec.structs.fields(field_type)}
+            field_type = fields[segment[1:]]
+    return field_type
+
+
+def _unwrapped(field_type: Any) -> Any:
+    """`field_type` without Annotated metadata or an optional None."""
+    while True:
+        origin, parts = typing.get_origin(field_type), typing.get_args(field_type)
+        if origin is Annotated:
+            field_type = parts[0]
+        elif origin in (typing.Union, types.UnionType) and type(None) in parts:
+            rest = [p for p in parts if p is not type(None)]
+            if len(rest) != 1:
+                return field_type
+            field_type = rest[0]
+        else:
+            return field_type
 
 
 def _describe(field_type: Any) -> str:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.verbs import InlineTensor
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
@@ -132,7 +133,7 @@ class WeightSync:
                 self.transfer.shutdown()
                 self.transfer, self.round = None, None
             raise
-        problems = [p for m in metas if (p := self._check(m)) is not None]
+        problems = [p[1] for m in metas if (p := self._check(m)) is not None]
         if problems:  # drained into scratch memory: never over a buffer staged earlier
             self.transfer.allocate = _fresh(self.device)
         try:
@@ -210,6 +211,36 @@ class WeightSync:
         finally:
             self.round, self.transfer = None, configured
 
+    def load_inline(self, tensors: list[InlineTensor]) -> dict[str, torch.Tensor]:
+        """One checkpoint-format round from tensors sent by value (verbs.InlineTensor:
+        the `load_weights_inline` verb), whatever backend is configured: validated (bytes,
+        dtypes, names, shapes; refusals name `tensors[i].field`), staged, then written all
+        at once, as a disk reload. Only the tensors sent change (SGLang's semantics), unless
+        the config's `require_complete` asks for every weight. Returns the staged tensors."""
+        from hotswap.weight_transfer.inline import ARGUMENT, InlineEngine
+
+        if self.round_open:
+            raise EngineStateError("load_weights_inline: a round is open; finish it first")
+        info = {ARGUMENT: tensors}
+        configured, self.transfer = self.transfer, InlineEngine(self.device)
+        self.round = Round(is_checkpoint_format=True)
+        try:
+            metas = self.transfer.parse_update_info(info)
+            for i, meta in enumerate(metas):
+                problem = self._check(meta)
+                if problem is not None:
+                    field = f"{ARGUMENT}[{i}].{problem[0]}"
+                    raise InvalidArgument(field, f"{field}: {problem[1].removeprefix('weights: ')}")
+            for name, tensor in self.transfer.receive_weights(info, metas):
+                self.round.staged[name] = tensor
+            round_, self.round = self.round, None
+            if self.config is not None and self.config.require_complete:
+                self._check_complete(round_)
+            self._apply(round_)
+            return round_.staged
+        finally:
+            self.round, self.transfer = None, configured
+
     def _confined(self, engine: WeightTransferEngine) -> WeightTransferEngine:
         """`engine`, reading from disk only inside the allowed weight directories."""
         from hotswap.weight_transfer.disk import DiskEngine
@@ -253,22 +284,26 @@ class WeightSync:
             raise ValueError(f"weights: unknown parameter {name!r} (engine format)")
         return name, params[name].data
 
-    def _check(self, meta: ParamMeta) -> str | None:
+    def _check(self, meta: ParamMeta) -> tuple[str, str] | None:
+        """None if the model can take `meta`'s tensor; else (what is wrong with it: name,
+        shape or dtype; why)."""
         assert self.round is not None
         try:
             expected = self._destination(meta.name, self.round.is_checkpoint_format)
         except ValueError as e:
-            return str(e)
+            return "name", str(e)
         if expected is None:
             return None  # a name the model ignores (e.g. rotary inv_freq)
         shape, floating, dtype = expected
         if shape != meta.shape:
-            return (
+            return "shape", (
                 f"weights: shape mismatch for {meta.name!r}: sent {list(meta.shape)}, "
                 f"model expects {list(shape)}"
             )
         if floating != meta.dtype.is_floating_point:
-            return f"weights: dtype mismatch for {meta.name!r}: sent {meta.dtype}, model {dtype}"
+            return "dtype", (
+                f"weights: dtype mismatch for {meta.name!r}: sent {meta.dtype}, model {dtype}"
+            )
         return None
 
     def _destination(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import time
 import types
 import typing
@@ -135,13 +136,18 @@ def route_args(route: VerbRoute, values: dict[str, Any]) -> verbs.Args:
 def _refusal(route: VerbRoute, error: InvalidArgument) -> APIError:
     if error.field is None:
         return bad_request(str(error))
-    head, _, rest = error.field.partition(".")
+    # The argument, then the path inside it: `tensors[3].data` -> `tensors`, `[3].data`.
+    head = _ARGUMENT.match(error.field).group(0)
+    rest = error.field[len(head) :]
     wire = {arg: name for name, arg in route.names.items()}.get(head, head)
-    where = f"{route.location}.{wire}" + (f".{rest}" if rest else "")
+    where = f"{route.location}.{wire}{rest}"
     message = str(error)
-    if wire != head and message.startswith(f"{head}:"):
+    if wire != head and message.startswith(f"{head}{rest}:"):
         message = wire + message[len(head) :]
     return bad_request(message, where)
+
+
+_ARGUMENT = re.compile(r"[^.\[]*")
 
 
 def _query_values(request: Request, route: VerbRoute) -> dict[str, Any]:

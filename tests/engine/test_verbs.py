@@ -4,6 +4,8 @@ as each verb declares."""
 
 from __future__ import annotations
 
+import typing
+
 import msgspec
 import pytest
 
@@ -14,10 +16,15 @@ from hotswap.engine.handlers import HANDLERS
 from hotswap.engine.messages import CallError, UtilityCall, UtilityResult
 from hotswap.engine.wire import decode_input, encode_input
 from hotswap.errors import InvalidArgument
+from hotswap.weight_transfer.base import _DTYPES
 
 
 def test_every_verb_has_exactly_one_handler() -> None:
     assert set(HANDLERS) == set(verbs.VERBS)
+
+
+# One tensor by value, as JSON sends it (data: base64 of 8 raw bytes).
+TENSOR = {"name": "w", "dtype": "float32", "shape": [2], "data": "AAAAAAAAAAA="}
 
 
 @pytest.mark.parametrize(
@@ -41,6 +48,23 @@ def test_every_verb_has_exactly_one_handler() -> None:
         ("init_weight_transfer_engine", {"init_info": [1]}, "init_info"),
         ("update_weights", {"update_info": "x"}, "update_info"),
         ("reset_prefix_cache", {"reset_running_requests": None}, "reset_running_requests"),
+        ("load_weights_inline", {}, "tensors"),
+        ("load_weights_inline", {"tensors": []}, "tensors"),
+        ("load_weights_inline", {"tensors": [TENSOR, 3]}, "tensors"),
+        ("load_weights_inline", {"tensors": [TENSOR, {**TENSOR, "data": "%%"}]}, "tensors[1].data"),
+        ("load_weights_inline", {"tensors": [{**TENSOR, "data": 5}]}, "tensors[0].data"),
+        ("load_weights_inline", {"tensors": [{**TENSOR, "dtype": "float8"}]}, "tensors[0].dtype"),
+        ("load_weights_inline", {"tensors": [{**TENSOR, "shape": [2, -1]}]}, "tensors[0].shape"),
+        ("load_weights_inline", {"tensors": [{**TENSOR, "shape": [True]}]}, "tensors[0].shape"),
+        ("load_weights_inline", {"tensors": [{**TENSOR, "shape": [1] * 17}]}, "tensors[0].shape"),
+        ("load_weights_inline", {"tensors": [{**TENSOR, "name": ""}]}, "tensors[0].name"),
+        (
+            "load_weights_inline",
+            {"tensors": [{"name": "w", "dtype": "float32", "shape": [2]}]},
+            "tensors[0].data",
+        ),
+        ("load_weights_inline", {"tensors": [{**TENSOR, "device": "cuda"}]}, "tensors[0].device"),
+        ("load_weights_inline", {"tensors": [TENSOR], "weight_version": ""}, "weight_version"),
         ("collective_rpc", {"method": ""}, "method"),
         ("collective_rpc", {"method": "m", "kwargs": []}, "kwargs"),
         ("resume", {"now": True}, "now"),
@@ -68,6 +92,23 @@ def test_only_declared_verbs_cross_the_wire() -> None:
     forged = msgspec.msgpack.encode({"call_id": 1, "args": {"type": "shutdown_host"}})
     with pytest.raises(msgspec.ValidationError):
         decode_input([bytes([InputKind.UTILITY]), forged])
+
+
+def test_tensors_by_value_cross_the_wire_as_bytes() -> None:
+    """Base64 is decoded where the call enters; the engine core receives the bytes."""
+    args = verbs.make_args("load_weights_inline", {"tensors": [TENSOR], "weight_version": "v"})
+    assert args.tensors[0].data == bytes(8)
+    frames = encode_input(InputKind.UTILITY, UtilityCall(3, args))
+    assert b"AAAAAAAAAAA=" not in frames[1]
+    _, decoded = decode_input(frames)
+    assert decoded.args == args and isinstance(decoded.args.tensors[0].data, bytes)
+    # From Python, bytes are taken as they are.
+    raw = verbs.make_args("load_weights_inline", {"tensors": [{**TENSOR, "data": b"\1" * 8}]})
+    assert raw.tensors[0].data == b"\1" * 8
+
+
+def test_tensors_by_value_take_every_transferable_dtype() -> None:
+    assert set(typing.get_args(verbs.TensorDType)) == set(_DTYPES)
 
 
 def _results(values: list) -> list[UtilityResult]:

@@ -21,8 +21,19 @@ What the RL frameworks send (as built in their sources):
   abort_all_requests: true} (flush_cache left at SGLang's default, true).
 - /update_weights_from_tensor (slime's colocated path, verl's HTTP adapter) sends
   `serialized_named_tensors`: base64 pickles (MultiprocessingSerializer) of tensors or of
-  CUDA IPC handles. hotswap never unpickles request bytes, and has no in-memory path to put
-  raw tensor bytes from a request into a round: the route refuses (400) and says what to use.
+  CUDA IPC handles. hotswap never unpickles request bytes: that form is refused (400) with
+  what to use instead. The route takes a JSON-safe form in its place (hotswap's; SGLang
+  defines none), the tensors by value: {"named_tensors": [{"name", "dtype" ("bfloat16": a
+  dtype name without "torch."), "shape", "data" (base64 of the raw little-endian bytes, C
+  order)}], "weight_version", "flush_cache" (default true), "abort_all_requests",
+  "load_format": null}. Per tensor these are the fields LMDeploy's structured
+  /update_weights payload uses ({dtype, shape, data}, in a dict keyed by name there); a
+  list keeps the order and lets a refusal name its entry (body.named_tensors[3].data). It
+  is the `load_weights_inline` verb: one validated, all-or-nothing round, as a disk reload,
+  changing only the tensors named (unless the weight transfer config requires complete
+  rounds). Its size is bounded by the request body limit (--max-request-body-bytes, 32 MiB
+  by default: about 24 MiB of tensor bytes once base64-encoded): for whole models use a
+  broadcast group, the disk or a weight transfer backend.
 
 SGLang's own answers (python/sglang/srt/entrypoints/http_server.py) are
 {"success": true, "message": ...}; a refusal here is hotswap's error envelope (400 naming
@@ -44,7 +55,15 @@ import hotswap
 from hotswap.engine.errors import EngineStateError
 from hotswap.entrypoints.errors import APIError, bad_request
 from hotswap.entrypoints.state import get_engine, get_server_config
-from hotswap.entrypoints.verb_routes import VerbRoute, call_verb, json_object, weight_round
+from hotswap.entrypoints.verb_routes import (
+    Done,
+    VerbRoute,
+    call_route,
+    call_verb,
+    json_object,
+    route_args,
+    weight_round,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +78,9 @@ _GROUP_STATE = "sglang_weight_update_group"
 INIT = VerbRoute("/init_weights_update_group", "init_weight_transfer_engine")
 UPDATE = VerbRoute("/update_weights_from_distributed", "update_weights")
 LOADS = VerbRoute("/v1/loads", "get_stats", "GET")
+TENSOR = VerbRoute(
+    "/update_weights_from_tensor", "load_weights_inline", names={"named_tensors": "tensors"}
+)
 
 INIT_FIELDS = frozenset(
     {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
@@ -66,9 +88,9 @@ INIT_FIELDS = frozenset(
 UPDATE_FIELDS = frozenset({"names", "dtypes", "shapes", "group_name", "flush_cache",
                            "abort_all_requests", "weight_version", "load_format",
                            "torch_empty_cache"})  # fmt: skip
-TENSOR_FIELDS = frozenset({"serialized_named_tensors", "load_format", "flush_cache",
-                           "abort_all_requests", "weight_version", "disable_draft_model",
-                           "torch_empty_cache"})  # fmt: skip
+TENSOR_FIELDS = frozenset({"serialized_named_tensors", "named_tensors", "load_format",
+                           "flush_cache", "abort_all_requests", "weight_version",
+                           "disable_draft_model", "torch_empty_cache"})  # fmt: skip
 ABORT_FIELDS = frozenset({"rid", "abort_all", "finished_reason", "abort_message"})
 DESTROY_FIELDS = frozenset({"group_name"})
 LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
@@ -193,18 +215,7 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
         if "init_weight_transfer_engine" in message:
             message += " (SGLang's route: /init_weights_update_group)"
         raise APIError(409, message) from None
-    if flush_cache:
-        await call_verb(request, UPDATE, "reset_prefix_cache")
-    label = done.result["label"]
-    message = "Succeeded to update parameter online."
-    if values.get("weight_version") is not None:
-        message += f" Weight version updated to {label}."
-    return {
-        "success": True,
-        "message": message,
-        "weight_version": label,
-        "version": done.result["version"],
-    }
+    return await _updated(request, UPDATE, done, flush_cache, values)
 
 
 def _flag(values: dict[str, Any], key: str, default: bool) -> bool:
@@ -263,18 +274,63 @@ def _chunk_param(message: str, values: dict[str, Any]) -> str:
 # -- /update_weights_from_tensor, /destroy_weights_update_group -------------------------
 @sglang_weights_router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
-    """Refused: SGLang's payload is pickled tensors (or CUDA IPC handles), never unpickled
-    here, and no backend takes raw tensor bytes from a request."""
-    await _read(request, "/update_weights_from_tensor", TENSOR_FIELDS)
-    raise bad_request(
-        "serialized_named_tensors: refused: SGLang's tensors are pickles "
-        "(MultiprocessingSerializer, often of CUDA IPC handles) and hotswap never unpickles "
-        "request bytes. Send weights over a broadcast group (/init_weights_update_group, "
-        "/update_weights_from_distributed), from a safetensors directory "
-        "(/update_weights_from_disk), or with hotswap's ipc backend "
-        "(/init_weight_transfer_engine, /update_weights)",
-        "body.serialized_named_tensors",
-    )
+    """The tensors sent by value in `named_tensors` (see the module's docstring), loaded
+    in one round and committed as version + 1 labelled weight_version (the current label
+    if none); only they change. flush_cache (default true) empties the prefix cache after
+    the commit; abort_all_requests aborts every request first. SGLang's pickled
+    `serialized_named_tensors` is refused unread: hotswap never unpickles request bytes."""
+    values = await _read(request, "/update_weights_from_tensor", TENSOR_FIELDS)
+    if values.get("serialized_named_tensors") is not None:
+        raise bad_request(
+            "serialized_named_tensors: refused: SGLang's tensors are pickles "
+            "(MultiprocessingSerializer, often of CUDA IPC handles) and hotswap never "
+            "unpickles request bytes. Send the tensors by value instead (named_tensors: "
+            "[{name, dtype, shape, data: base64 of the raw little-endian bytes}]), or send "
+            "weights over a broadcast group (/init_weights_update_group, "
+            "/update_weights_from_distributed), from a safetensors directory "
+            "(/update_weights_from_disk), or with hotswap's ipc backend "
+            "(/init_weight_transfer_engine, /update_weights)",
+            "body.serialized_named_tensors",
+        )
+    if values.get("named_tensors") is None:
+        raise bad_request(
+            "named_tensors: required: a list of {name, dtype, shape, data} (data: base64 of "
+            "the tensor's raw little-endian bytes, C order)",
+            "body.named_tensors",
+        )
+    load_format = values.get("load_format")
+    if load_format not in (None, "auto"):
+        raise bad_request(
+            f"load_format: named_tensors are plain tensors (null), got {repr(load_format)[:100]}",
+            "body.load_format",
+        )
+    flush_cache = _flag(values, "flush_cache", True)
+    abort_all = _flag(values, "abort_all_requests", False)
+    # Validated (base64 decoded, dtypes, shapes) before anything is aborted or sent.
+    args = route_args(TENSOR, {k: values[k] for k in ("named_tensors", "weight_version")
+                               if k in values})  # fmt: skip
+    if abort_all:
+        await get_engine(request).abort()
+    done = await call_route(request, TENSOR, args)
+    return await _updated(request, TENSOR, done, flush_cache, values)
+
+
+async def _updated(
+    request: Request, route: VerbRoute, done: Done, flush_cache: bool, values: dict[str, Any]
+) -> dict[str, Any]:
+    """SGLang's answer to a committed update, after the prefix-cache flush it asked for."""
+    if flush_cache:
+        await call_verb(request, route, "reset_prefix_cache")
+    label = done.result["label"]
+    message = "Succeeded to update parameter online."
+    if values.get("weight_version") is not None:
+        message += f" Weight version updated to {label}."
+    return {
+        "success": True,
+        "message": message,
+        "weight_version": label,
+        "version": done.result["version"],
+    }
 
 
 @sglang_weights_router.post("/destroy_weights_update_group")

@@ -71,7 +71,8 @@ def _finish_args(values: dict[str, Any]) -> dict[str, Any]:
 def _woken(done: Done) -> dict[str, Any]:
     return {
         "status": "sleeping" if done.result["is_sleeping"] else "awake",
-        "tags_woken": done.result["tags_woken"] if done.args.tags else None,
+        # vLLM's answer: the tags asked for (hotswap may also wake `scheduling` with them)
+        "tags_woken": list(done.args.tags) if done.args.tags else None,
         "elapsed_ms": 1000 * done.seconds,
     }
 
@@ -201,3 +202,35 @@ async def abort_requests(request: Request) -> dict:
         raise bad_request("request_ids: must be a list of strings", "body.request_ids")
     aborted = await get_engine(request).abort(ids or None)
     return {"status": "aborted", "aborted": aborted}
+
+
+WEIGHT_CHECKER_ACTIONS = ("checksum", "snapshot", "compare", "reset")
+
+
+@vllm_router.post("/weight_checker")
+async def weight_checker(request: Request) -> dict:
+    """vLLM's weight checker over per-tensor SHA-256 checksums: `checksum` answers them;
+    `compare` holds them against `baseline` (a checksums dict, upstream's form) or the
+    last `snapshot` (the RL RFC's form); `reset` forgets the snapshot. (Upstream's reset
+    also randomizes the weights to test a sync end to end; hotswap never does.)"""
+    body = await json_object(request)
+    action = body.get("action")
+    if action not in WEIGHT_CHECKER_ACTIONS:
+        raise bad_request(f"action: must be one of {', '.join(WEIGHT_CHECKER_ACTIONS)}, "
+                          f"got {action!r}"[:300], "body.action")  # fmt: skip
+    if action == "reset":
+        request.app.state.weight_snapshot = None
+        return {"status": "reset"}
+    baseline = body.get("baseline", getattr(request.app.state, "weight_snapshot", None))
+    if action == "compare" and not isinstance(baseline, dict):
+        raise bad_request("baseline: compare needs a checksums object (or a snapshot first)",
+                          "body.baseline")  # fmt: skip
+    checksums = await get_engine(request).call("get_weight_checksums")
+    if action == "checksum":
+        return {"checksums": checksums}
+    if action == "snapshot":
+        request.app.state.weight_snapshot = checksums
+        return {"status": "snapshotted", "n_tensors": len(checksums)}
+    mismatches = sorted(k for k in checksums.keys() | baseline.keys()
+                        if checksums.get(k) != baseline.get(k))  # fmt: skip
+    return {"match": not mismatches, "mismatches": mismatches}

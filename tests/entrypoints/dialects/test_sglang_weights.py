@@ -5,7 +5,9 @@ tensor at a time; refused payloads; /abort_request and /v1/loads."""
 
 from __future__ import annotations
 
+import base64
 import datetime
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +17,7 @@ import httpx
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch.distributed import distributed_c10d as c10d
 
 from hotswap import LLM, SamplingParams
@@ -327,6 +330,125 @@ def test_a_good_update_after_a_drained_one(http, v2_tensors) -> None:
         assert after["weight_version"] == "norm"
     finally:
         dist.destroy_process_group(group)
+
+
+# -- tensors by value: /update_weights_from_tensor's JSON-safe form ----------------------
+# Two of the trainer's tensors as sent (float32), one sent as bfloat16 (the engine keeps
+# its own float32: the value is the bfloat16 one).
+INLINE = {
+    "model.norm.weight": torch.float32,
+    "model.layers.0.self_attn.q_proj.weight": torch.float32,  # a shard of a fused weight
+    "model.layers.1.input_layernorm.weight": torch.bfloat16,
+}
+
+
+def by_value(name: str, tensor: torch.Tensor) -> dict:
+    """One entry of named_tensors, as a client builds it: raw little-endian bytes in C
+    order, base64."""
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return {"name": name, "dtype": str(tensor.dtype).removeprefix("torch."),
+            "shape": list(tensor.shape), "data": base64.b64encode(raw).decode()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def inline_sent(v2_tensors) -> dict[str, torch.Tensor]:
+    return {name: v2_tensors[name].to(dtype) for name, dtype in INLINE.items()}
+
+
+@pytest.fixture(scope="module")
+def patched(v1_dir: Path, inline_sent, tmp_path_factory) -> LLM:
+    """A fresh engine on the first checkpoint with the tensors sent replaced in it."""
+    directory = tmp_path_factory.mktemp("patched")
+    for file in v1_dir.iterdir():
+        if file.is_file():
+            shutil.copy(file, directory / file.name)
+    for file in directory.glob("*.safetensors"):
+        weights = load_file(file)
+        for name, tensor in inline_sent.items():
+            if name in weights:
+                weights[name] = tensor.to(weights[name].dtype)
+        save_file(weights, file, metadata={"format": "pt"})
+    return LLM(str(directory), dtype="float32", progress=False)
+
+
+def test_tensors_by_value(http, v1_dir, reference, patched, inline_sent) -> None:
+    response = http.post("/update_weights_from_disk", json={"model_path": str(v1_dir)})
+    assert response.status_code == 200, response.text
+    ids = reference.tokenizer.encode(PROMPT)
+    before = weights(http)
+    payload = {"named_tensors": [by_value(n, t) for n, t in inline_sent.items()],
+               "weight_version": "inline-1", "flush_cache": True, "load_format": None,
+               "abort_all_requests": False}  # fmt: skip
+    response = http.post("/update_weights_from_tensor", json=payload)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["success"] is True and body["weight_version"] == "inline-1"
+    assert body["message"].endswith("Weight version updated to inline-1.")
+    after = weights(http)
+    assert after["version"] == body["version"] == before["version"] + 1
+    assert after["weight_version"] == "inline-1"
+    assert http.get("/get_weight_version").json() == {"weight_version": "inline-1"}
+    # Exactly the checkpoint with those tensors replaced, the rest untouched.
+    assert after["digest"] == patched.get_weight_info()["digest"] != before["digest"]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    expected = patched.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert greedy(http, ids) == list(expected)
+    assert round_closed(http)
+    # The same tensors through the Python API: the weights already hold them.
+    loaded = patched.load_weights_inline(inline_sent, weight_version="again")
+    assert loaded["label"] == "again"
+    assert patched.get_weight_info()["digest"] == after["digest"]
+    # No weight_version: a new version under the current label.
+    response = http.post("/update_weights_from_tensor", json={"named_tensors": payload[
+        "named_tensors"][:1], "flush_cache": False})  # fmt: skip
+    assert response.status_code == 200, response.text
+    assert response.json()["weight_version"] == "inline-1"
+    assert weights(http)["version"] == after["version"] + 1
+
+
+def test_bad_tensors_by_value_change_nothing(http, inline_sent) -> None:
+    before = weights(http)
+    good = by_value("model.norm.weight", inline_sent["model.norm.weight"])
+    # A second weight of the norm's shape: each case spoils one thing of it.
+    name = "model.layers.0.input_layernorm.weight"
+    other = {**good, "name": name}
+    meta = {k: other[k] for k in ("name", "dtype", "shape")}
+    bad_entries = [
+        ({**other, "data": "not base64!"}, "body.named_tensors[1].data", "base64"),
+        ({**other, "data": base64.b64encode(bytes(4)).decode()}, "body.named_tensors[1].data",
+         "4 bytes"),
+        ({**other, "dtype": "float8_e4m3fn"}, "body.named_tensors[1].dtype", "bfloat16"),
+        ({**other, "name": "model.no_such.weight"}, "body.named_tensors[1].name", "unknown"),
+        ({**meta, "shape": [3], "data": base64.b64encode(bytes(12)).decode()},
+         "body.named_tensors[1].shape", "shape mismatch"),
+        (by_value(name, torch.zeros(other["shape"], dtype=torch.int32)),
+         "body.named_tensors[1].dtype", "dtype mismatch"),
+        (meta, "body.named_tensors[1].data", "required"),
+        ({**other, "shape": [-1]}, "body.named_tensors[1].shape", "sizes"),
+        ({**other, "name": "model.layers.0.self_attn.q_proj.weight"},
+         "body.named_tensors[1].shape", "shape mismatch"),
+    ]  # fmt: skip
+    for entry, param, words in bad_entries:
+        payload = {"named_tensors": [good, entry], "weight_version": "bad"}
+        message = refused(http.post("/update_weights_from_tensor", json=payload), 400, param)
+        assert message.startswith(param.removeprefix("body.")) and words in message, message
+        assert weights(http) == before
+    duplicate = {"named_tensors": [good, good]}
+    message = refused(http.post("/update_weights_from_tensor", json=duplicate), 400,
+                      "body.named_tensors[1].name")  # fmt: skip
+    assert "appears twice" in message
+    for payload, param in [
+        ({}, "body.named_tensors"),
+        ({"named_tensors": []}, "body.named_tensors"),
+        ({"named_tensors": [good], "load_format": "flattened_bucket"}, "body.load_format"),
+        ({"named_tensors": [good], "weight_version": 5}, "body.weight_version"),
+        ({"named_tensors": [good], "flush_cache": "yes"}, "body.flush_cache"),
+        # The pickled form is refused unread, also beside tensors by value.
+        ({"named_tensors": [good], "serialized_named_tensors": ["gASVAAAAAAAAAAB9lC4="]},
+         "body.serialized_named_tensors"),
+    ]:  # fmt: skip
+        refused(http.post("/update_weights_from_tensor", json=payload), 400, param)
+    assert weights(http) == before and round_closed(http)
 
 
 # -- aborts and loads ---------------------------------------------------------------------
