@@ -39,6 +39,19 @@ def restore(server: RemoteServer, model_dir: str) -> None:
             assert r.status_code == 200, r.text
 
 
+# Routes a framework calls that hotswap deliberately does not implement answer 501 (Not
+# Implemented: the caller fails loudly instead of carrying on without, e.g., prime-rl's
+# broadcaster); every other 5xx is a failure.
+NOT_IMPLEMENTED = {"/init_broadcaster", "/areal_set_update_weight_meta_lora",
+                   "/areal_update_weights_lora", "/areal_update_weights_lora_xccl"}  # fmt: skip
+
+
+def not_a_server_error_but_declared_501(ctx, response, case):  # noqa: ANN001, ANN201
+    if response.status_code == 501 and case.path in NOT_IMPLEMENTED:
+        return None
+    return not_a_server_error(ctx, response, case)
+
+
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_no_server_errors_and_no_hangs(
     fuzz_server: RemoteServer, tiny_llama, mode: GenerationMode
@@ -57,7 +70,9 @@ def test_no_server_errors_and_no_hangs(
     def check(case) -> None:  # noqa: ANN001 - a schemathesis Case
         try:
             case.call_and_validate(
-                base_url=fuzz_server.url, checks=[not_a_server_error], timeout=30
+                base_url=fuzz_server.url,
+                checks=[not_a_server_error_but_declared_501],
+                timeout=30,
             )
         finally:
             restore(fuzz_server, str(tiny_llama))
