@@ -20,6 +20,7 @@ from hotswap.entrypoints.dialects.areal import areal_router
 from hotswap.entrypoints.dialects.pipelinerl import pipelinerl_router
 from hotswap.entrypoints.dialects.prime_rl import prime_rl_router
 from hotswap.entrypoints.dialects.sglang import sglang_router
+from hotswap.entrypoints.dialects.sglang_admin import sglang_admin_router
 from hotswap.entrypoints.dialects.sglang_generate import sglang_generate_router
 from hotswap.entrypoints.dialects.sglang_weights import sglang_weights_router
 from hotswap.entrypoints.dialects.trl import trl_router
@@ -68,8 +69,8 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     # milliseconds end to end (each route passed costs a few microseconds), while
     # generation requests take far longer than the routes before them.
     if config.enable_control:
-        for router in (vllm_router, sglang_router, sglang_weights_router, prime_rl_router,
-                       pipelinerl_router, areal_router):  # fmt: skip
+        for router in (vllm_router, sglang_router, sglang_weights_router, sglang_admin_router,
+                       prime_rl_router, pipelinerl_router, areal_router):  # fmt: skip
             app.include_router(router)
     app.include_router(openai_router)
     app.include_router(sglang_generate_router)  # SGLang serves /generate without a flag

@@ -112,14 +112,28 @@ async def read_values(request: Request, route: VerbRoute) -> dict[str, Any]:
     else:
         values = await json_object(request)
     known = set(_fields(route.verb)) | set(route.names) | route.consumes | route.ignored
+    values = known_fields(request, values, known, route.location)
+    return {k: v for k, v in values.items() if k not in route.ignored}
+
+
+async def read_body_fields(request: Request, known: frozenset[str]) -> dict[str, Any]:
+    """A JSON body's `known` fields, for routes written by hand (unknown ones as above)."""
+    return known_fields(request, await json_object(request), known, "body")
+
+
+def known_fields(
+    request: Request, values: dict[str, Any], known: set[str] | frozenset[str], location: str
+) -> dict[str, Any]:
+    """`values` without unknown names: ignored with a throttled warning naming them (a
+    query string's silently, as FastAPI does), or a 400 under --reject-unknown-fields."""
     unknown = sorted(set(values) - known)
     if unknown and get_server_config(request).reject_unknown_fields:
         name = printable_field(unknown[0])
         raise bad_request(f"{name}: unknown field (this server runs with "
-                          f"--reject-unknown-fields)", f"{route.location}.{name}")  # fmt: skip
-    if unknown and route.location == "body":
+                          f"--reject-unknown-fields)", f"{location}.{name}")  # fmt: skip
+    if unknown and location == "body":
         warn_ignored_fields(request.url.path, unknown)
-    return {k: v for k, v in values.items() if k in known and k not in route.ignored}
+    return {k: v for k, v in values.items() if k in known}
 
 
 def route_args(route: VerbRoute, values: dict[str, Any]) -> verbs.Args:

@@ -44,28 +44,23 @@ the call cannot run in). An update is one whole round (start, receive, commit wi
 
 from __future__ import annotations
 
-import datetime
-import logging
 import re
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 
-import hotswap
 from hotswap.engine.errors import EngineStateError
 from hotswap.entrypoints.errors import APIError, bad_request
-from hotswap.entrypoints.state import get_engine, get_server_config
+from hotswap.entrypoints.state import get_engine
 from hotswap.entrypoints.verb_routes import (
     Done,
     VerbRoute,
     call_route,
     call_verb,
-    json_object,
+    read_body_fields,
     route_args,
     weight_round,
 )
-
-logger = logging.getLogger(__name__)
 
 sglang_weights_router = APIRouter()
 
@@ -77,7 +72,6 @@ _GROUP_STATE = "sglang_weight_update_group"
 
 INIT = VerbRoute("/init_weights_update_group", "init_weight_transfer_engine")
 UPDATE = VerbRoute("/update_weights_from_distributed", "update_weights")
-LOADS = VerbRoute("/v1/loads", "get_stats", "GET")
 TENSOR = VerbRoute(
     "/update_weights_from_tensor", "load_weights_inline", names={"named_tensors": "tensors"}
 )
@@ -91,9 +85,7 @@ UPDATE_FIELDS = frozenset({"names", "dtypes", "shapes", "group_name", "flush_cac
 TENSOR_FIELDS = frozenset({"serialized_named_tensors", "named_tensors", "load_format",
                            "flush_cache", "abort_all_requests", "weight_version",
                            "disable_draft_model", "torch_empty_cache"})  # fmt: skip
-ABORT_FIELDS = frozenset({"rid", "abort_all", "finished_reason", "abort_message"})
 DESTROY_FIELDS = frozenset({"group_name"})
-LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 
 # update_info's keys -> SGLang's names for them
 _UPDATE_KEYS = {"names": "names", "dtype_names": "dtypes", "shapes": "shapes"}
@@ -104,7 +96,7 @@ _UPDATE_KEYS = {"names": "names", "dtype_names": "dtypes", "shapes": "shapes"}
 async def init_weights_update_group(request: Request) -> dict[str, Any]:
     """Join the trainer's group as ranks rank_offset.. (one per engine core); blocks until
     the trainer joins too (or the transfer's timeout)."""
-    values = await _read(request, "/init_weights_update_group", INIT_FIELDS)
+    values = await read_body_fields(request, INIT_FIELDS)
     group_name = _group_name(values)
     _check_backend(request, values.get("backend", "nccl"))
     init_info: dict[str, Any] = {"group_name": group_name, "packed": False}
@@ -171,7 +163,7 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
     `names` order, staged, then committed at once as version + 1 labelled weight_version
     (the current label if none). flush_cache (SGLang's default true) empties the prefix
     cache after the commit; abort_all_requests aborts every request first."""
-    values = await _read(request, "/update_weights_from_distributed", UPDATE_FIELDS)
+    values = await read_body_fields(request, UPDATE_FIELDS)
     group_name = _group_name(values)
     joined = getattr(request.app.state, _GROUP_STATE, None)
     if joined is None:  # also keeps another dialect's channel from receiving SGLang's stream
@@ -191,8 +183,8 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
             f"{values['load_format']!r}",
             "body.load_format",
         )
-    flush_cache = _flag(values, "flush_cache", True)
-    abort_all = _flag(values, "abort_all_requests", False)
+    flush_cache = flag(values, "flush_cache", True)
+    abort_all = flag(values, "abort_all_requests", False)
     update_info = {ours: values[theirs] for ours, theirs in _UPDATE_KEYS.items()
                    if theirs in values}  # fmt: skip
     engine = get_engine(request)
@@ -218,7 +210,8 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
     return await _updated(request, UPDATE, done, flush_cache, values)
 
 
-def _flag(values: dict[str, Any], key: str, default: bool) -> bool:
+def flag(values: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean field of a body read by hand (null: the default)."""
     value = values.get(key, default)
     if value is None:
         return default
@@ -279,7 +272,7 @@ async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
     if none); only they change. flush_cache (default true) empties the prefix cache after
     the commit; abort_all_requests aborts every request first. SGLang's pickled
     `serialized_named_tensors` is refused unread: hotswap never unpickles request bytes."""
-    values = await _read(request, "/update_weights_from_tensor", TENSOR_FIELDS)
+    values = await read_body_fields(request, TENSOR_FIELDS)
     if values.get("serialized_named_tensors") is not None:
         raise bad_request(
             "serialized_named_tensors: refused: SGLang's tensors are pickles "
@@ -304,8 +297,8 @@ async def update_weights_from_tensor(request: Request) -> dict[str, Any]:
             f"load_format: named_tensors are plain tensors (null), got {repr(load_format)[:100]}",
             "body.load_format",
         )
-    flush_cache = _flag(values, "flush_cache", True)
-    abort_all = _flag(values, "abort_all_requests", False)
+    flush_cache = flag(values, "flush_cache", True)
+    abort_all = flag(values, "abort_all_requests", False)
     # Validated (base64 decoded, dtypes, shapes) before anything is aborted or sent.
     args = route_args(TENSOR, {k: values[k] for k in ("named_tensors", "weight_version")
                                if k in values})  # fmt: skip
@@ -336,7 +329,7 @@ async def _updated(
 @sglang_weights_router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     """Leave the group named (refused mid-round: 409); a later init joins a new one."""
-    values = await _read(request, "/destroy_weights_update_group", DESTROY_FIELDS)
+    values = await read_body_fields(request, DESTROY_FIELDS)
     group_name = _group_name(values)
     joined = getattr(request.app.state, _GROUP_STATE, None)
     if joined is not None and group_name != joined:
@@ -350,110 +343,7 @@ async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     return {"success": True, "message": message}
 
 
-# -- /abort_request ----------------------------------------------------------------------
-@sglang_weights_router.post("/abort_request")
-async def abort_request(request: Request) -> Response:
-    """Abort the request `rid` (a /generate rid; a batch's single rid names its
-    `{rid}_{i}` items too), or every request with abort_all. Unknown rids are ignored, as
-    SGLang does; its answer is an empty 200."""
-    values = await _read(request, "/abort_request", ABORT_FIELDS)
-    rid = values.get("rid") or ""
-    abort_all = _flag(values, "abort_all", False)
-    if not isinstance(rid, str):
-        raise bad_request(f"rid: must be a string, got {rid!r}"[:200], "body.rid")
-    engine = get_engine(request)
-    if abort_all:
-        await engine.abort()
-    elif rid:
-        batch = re.compile(re.escape(rid) + r"_[0-9]+")
-        ids = [r for r in engine.processor.requests if r == rid or batch.fullmatch(r)]
-        if ids:
-            await engine.abort(ids)
-    return Response(status_code=200)
-
-
-# -- /v1/loads ---------------------------------------------------------------------------
-@sglang_weights_router.get("/v1/loads")
-async def get_loads(
-    request: Request,
-    dp_rank: int | None = None,
-    include: str | None = None,
-    format: str | None = None,  # noqa: A002 - SGLang's query parameter
-) -> Any:
-    """SGLang's load report: {timestamp, version, dp_rank_count, loads: [...], aggregate}.
-    Only the core section is known here (running/waiting requests, KV tokens used and
-    their share, prefix-cache hit rate); with data-parallel cores, one merged entry.
-    format=prometheus gives the same numbers as text."""
-    if include:
-        sections = {s.strip() for s in include.split(",")}
-        unknown = sorted(sections - LOAD_SECTIONS)
-        if unknown:
-            raise bad_request(f"include: unknown sections {unknown}; choose from "
-                              f"{', '.join(sorted(LOAD_SECTIONS))}", "query.include")  # fmt: skip
-    if format not in (None, "json", "prometheus"):
-        raise bad_request("format: must be json or prometheus", "query.format")
-    engine = get_engine(request)
-    stats = (await call_verb(request, LOADS, "get_stats")).result
-    loads = [] if dp_rank not in (None, 0) else [_load(stats, engine.config)]
-    if format == "prometheus":
-        return _prometheus(loads)
-    running = sum(load["num_running_reqs"] for load in loads)
-    waiting = sum(load["num_waiting_reqs"] for load in loads)
-    return {
-        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "version": hotswap.__version__,
-        "dp_rank_count": len(loads),
-        "loads": loads,
-        "aggregate": {
-            "total_running_reqs": running,
-            "total_waiting_reqs": waiting,
-            "total_reqs": running + waiting,
-            "avg_token_usage": round(sum(load["token_usage"] for load in loads) / len(loads), 4)
-            if loads
-            else 0.0,
-        },
-    }
-
-
-def _load(stats: dict[str, Any], config: Any) -> dict[str, Any]:
-    block = config.cache.block_size
-    blocks, free = int(stats["num_blocks"]), int(stats["num_free_blocks"])
-    running, waiting = int(stats["num_running"]), int(stats["num_waiting"])
-    return {
-        "dp_rank": 0,
-        "num_running_reqs": running,
-        "num_waiting_reqs": waiting,
-        "num_used_tokens": (blocks - free) * block,
-        "max_total_num_tokens": blocks * block,
-        "token_usage": float(stats["kv_usage"]),
-        "cache_hit_rate": float(stats["prefix_cache_hit_rate"]),
-        "max_running_requests": config.scheduler.max_num_seqs,
-        "num_total_reqs": running + waiting,
-    }
-
-
-def _prometheus(loads: list[dict[str, Any]]) -> Response:
-    lines = []
-    for key in ("num_running_reqs", "num_waiting_reqs", "num_used_tokens",
-                "max_total_num_tokens", "token_usage", "cache_hit_rate"):  # fmt: skip
-        lines.append(f"# TYPE sglang_{key} gauge")
-        lines.extend(f'sglang_{key}{{dp_rank="{load["dp_rank"]}"}} {load[key]}' for load in loads)
-    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
 # -- shared ------------------------------------------------------------------------------
-async def _read(request: Request, path: str, fields: frozenset[str]) -> dict[str, Any]:
-    """The JSON body's known fields; unknown ones are ignored with a logged warning (or
-    refused with --reject-unknown-fields), as on every other route."""
-    body = await json_object(request)
-    unknown = sorted(set(body) - fields)
-    if unknown and get_server_config(request).reject_unknown_fields:
-        raise bad_request(f"{unknown[0]}: unknown field", f"body.{unknown[0]}")
-    if unknown:
-        logger.warning("POST %s: ignored unknown fields %s", path, unknown)
-    return {k: v for k, v in body.items() if k in fields}
-
-
 def _group_name(values: dict[str, Any]) -> str:
     name = values.get("group_name", DEFAULT_GROUP)
     if not isinstance(name, str) or not 0 < len(name) <= 256:
