@@ -33,10 +33,10 @@ from fastapi import APIRouter, Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.dialects.sglang_protocol import GenerateRequest
-from hotswap.entrypoints.dialects.sglang_render import ItemState, JobStream, fill_missing_labels
+from hotswap.entrypoints.dialects.sglang_render import ItemState, fill_missing_labels, job_stream
 from hotswap.entrypoints.dialects.sglang_request import plan_jobs
 from hotswap.entrypoints.errors import APIError
-from hotswap.entrypoints.openai.serving import collect_final
+from hotswap.entrypoints.openai.serving import MergedStream, collect_final
 from hotswap.entrypoints.openai.streaming import SSE_DONE, SSEResponse, sse_error
 from hotswap.entrypoints.state import get_engine
 
@@ -48,7 +48,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     started = time.monotonic()
     engine = get_engine(request)
     jobs, n, single = await plan_jobs(request, body, engine)
-    stream = JobStream(engine, jobs)
+    stream = job_stream(engine, jobs)
     try:
         await stream.start()
     except ValueError as e:
@@ -75,7 +75,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
 
 async def _stream(
     engine: AsyncLLM,
-    stream: JobStream,
+    stream: MergedStream,
     items: list[ItemState],
     n: int,
     indexed: bool,

@@ -15,15 +15,14 @@ utils/weight_versions.py):
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.openai.params import EnginePrompt
-from hotswap.entrypoints.openai.serving import clamp_logprob
+from hotswap.entrypoints.openai.serving import MergedStream, clamp_logprob
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -57,56 +56,12 @@ class Job:
     no_stop_trim: bool = False
 
 
-class JobStream:
-    """One `engine.generate` per job, each pumped by its own task, merged in arrival order
-    as (job index, output). `close()` cancels the pumps, which aborts whatever still runs
-    in the engine and frees its KV (as the OpenAI routes' MergedStream, which takes one
-    SamplingParams for all prompts)."""
-
-    def __init__(self, engine: AsyncLLM, jobs: Sequence[Job]) -> None:
-        self._engine = engine
-        self._jobs = list(jobs)
-        self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._errors: list[BaseException] = []
-
-    async def start(self) -> None:
-        """Submit every job; raises (after aborting the others) if the engine refused one,
-        e.g. for a request id already in use."""
-        for index, job in enumerate(self._jobs):
-            stream = self._engine.generate(job.prompt.as_input(), job.params, job.request_id)
-            self._tasks.append(asyncio.create_task(self._pump(index, stream)))
-        await asyncio.sleep(0)  # each pump runs up to its first wait, i.e. past the submit
-        if self._errors:
-            await self.close()
-            raise self._errors[0]
-
-    async def _pump(self, index: int, stream: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for output in stream:
-                self._queue.put_nowait((index, output))
-        except Exception as e:  # handed to the consumer
-            self._errors.append(e)
-            self._queue.put_nowait((index, e))
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
-            self._queue.put_nowait((index, _DONE))
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        remaining = len(self._tasks)
-        while remaining:
-            index, item = await self._queue.get()
-            if item is _DONE:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item  # type: ignore[misc]
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+def job_stream(engine: AsyncLLM, jobs: Sequence[Job]) -> MergedStream:
+    """One `engine.generate` per job (each with its own SamplingParams), merged in
+    arrival order as (job index, output), as on the OpenAI routes."""
+    return MergedStream(
+        engine, [j.prompt for j in jobs], [j.params for j in jobs], [j.request_id for j in jobs]
+    )
 
 
 @dataclass

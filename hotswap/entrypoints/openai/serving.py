@@ -39,12 +39,13 @@ class MergedStream:
         self,
         engine: AsyncLLM,
         prompts: Sequence[EnginePrompt],
-        params: SamplingParams,
+        params: SamplingParams | Sequence[SamplingParams],
         request_ids: Sequence[str],
     ) -> None:
+        """`params`: one for every prompt, or one per prompt."""
         self._engine = engine
-        self._jobs = list(zip(prompts, request_ids))
-        self._params = params
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        self._jobs = list(zip(prompts, per_prompt, request_ids, strict=True))
         self._queue: asyncio.Queue[tuple[int, object]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._errors: list[BaseException] = []
@@ -52,8 +53,8 @@ class MergedStream:
     async def start(self) -> None:
         """Submit every prompt; raises (after aborting the others) if the engine refused
         one, e.g. for a request id already in use."""
-        for index, (prompt, request_id) in enumerate(self._jobs):
-            stream = self._engine.generate(prompt.as_input(), self._params, request_id)
+        for index, (prompt, params, request_id) in enumerate(self._jobs):
+            stream = self._engine.generate(prompt.as_input(), params, request_id)
             self._tasks.append(asyncio.create_task(self._pump(index, stream)))
         # One turn of the loop runs each pump up to its first wait, i.e. past the submit.
         await asyncio.sleep(0)
