@@ -1,19 +1,22 @@
 """In-flight weight updates against the pause-send-resume loop: the idle time they save.
 
 M streaming greedy requests (ignore_eos, a max_tokens they never reach) run on the default
-model (float32) while a gloo trainer (a transformers copy of the same checkpoint, float32)
-sends R full rounds, alternating its weights between the original and a slightly perturbed
-copy so that every round changes them. Three configurations:
+model (float32) while a trainer (a transformers copy of the same checkpoint, float32)
+sends R full rounds over gloo or ipc (`--backend`), alternating its weights between the
+original and a slightly perturbed copy so that every round changes them. Configurations
+(`--configs`, default paused keep swap; the first is the reference):
 
 - paused: `in_flight` off, as an RL loop does it today: `pause_generation(mode="keep",
   clear_cache=False)`, `send_weights`, `resume_generation`; no step runs in between;
 - keep: `in_flight` on, `kv_policy="keep"`, no pause: the streams keep decoding on the
   committed weights while the round is received; running requests keep their KV across
   the switch (later tokens are marked stale);
+- swap: as keep, with `double_buffer`: the round is written into a second copy of the
+  weights beside the steps and the switch swaps the copies (no model copy between steps);
 - recompute: `in_flight` on, `kv_policy="recompute"`, no pause: at the switch running
   requests drop their KV and recompute prompt + output so far under the new weights.
 
-One engine per configuration: three `AsyncLLM(multiprocess=True)` in this process, each
+One engine per configuration: an `AsyncLLM(multiprocess=True)` in this process, each
 engine core in its own process with its own trainer group, so they are loaded once and the
 slots can be interleaved. Only one engine generates at a time: the others are paused
 (keep, their requests alive), since three engines decoding at once on a small machine
@@ -33,8 +36,10 @@ Per configuration: `round s`, p50 over rounds of the round from the first call t
 send_weights alone; `tok in rounds`, tokens the streams received during the rounds (all
 rounds; paused: the outputs of the step in flight when the pause was called); `%base`,
 the streams' token rate during the rounds against their rate in the lead before each
-round; `tok/s`, tokens per second over the engine's active slots (lead + round + until
-every stream switched + tail: it depends on this duty cycle, about `--lead` + `--tail`
+round; `vs none`, tokens over the active slots against the lead rate kept up throughout
+(the same engine with no rounds at all; the engine process's RSS is printed at the end);
+`tok/s`, tokens per second over the engine's active slots (lead + round + until every
+stream switched + tail: it depends on this duty cycle, about `--lead` + `--tail`
 seconds of plain decoding per round); `gap ms`, the median gap between consecutive
 outputs of a stream in the leads; `stall ms`, the longest gap of any stream across the
 switch (its last output on the old weights to its first on the new), p50 and max over
@@ -62,6 +67,7 @@ from hotswap.config import resolve_model_path
 from hotswap.weight_transfer import (
     GlooTrainerInitInfo,
     InProcessWeightSyncClient,
+    IPCTrainerInitInfo,
     ModuleSource,
     WeightTransferTrainerFactory,
 )
@@ -91,17 +97,22 @@ class Config:
     name: str
     in_flight: bool
     kv_policy: str
+    double_buffer: bool = False
 
-    @property
-    def transfer_config(self) -> dict[str, object]:
-        return {"backend": "gloo", "in_flight": self.in_flight, "kv_policy": self.kv_policy}
+    def transfer_config(self, backend: str) -> dict[str, object]:
+        return {"backend": backend, "in_flight": self.in_flight, "kv_policy": self.kv_policy,
+                "double_buffer": self.double_buffer}  # fmt: skip
 
 
-CONFIGS = [
-    Config("paused", in_flight=False, kv_policy="keep"),
-    Config("keep", in_flight=True, kv_policy="keep"),
-    Config("recompute", in_flight=True, kv_policy="recompute"),
-]
+CONFIGS = {
+    config.name: config
+    for config in [
+        Config("paused", in_flight=False, kv_policy="keep"),
+        Config("keep", in_flight=True, kv_policy="keep"),
+        Config("swap", in_flight=True, kv_policy="keep", double_buffer=True),
+        Config("recompute", in_flight=True, kv_policy="recompute"),
+    ]
+}
 
 
 @dataclass
@@ -190,10 +201,13 @@ async def start_engine(
         progress=False,
         dtype="float32",
         num_threads=args.threads,
-        weight_transfer_config=config.transfer_config,
+        weight_transfer_config=config.transfer_config(args.backend),
     )
     await llm.get_weight_version()  # binds the engine to this event loop
-    info = GlooTrainerInitInfo(master_port=free_port(), world_size=2)
+    if args.backend == "ipc":
+        info: object = IPCTrainerInitInfo(share_source=True)
+    else:
+        info = GlooTrainerInitInfo(master_port=free_port(), world_size=2)
     client = InProcessWeightSyncClient(llm)
     trainer = await asyncio.to_thread(
         WeightTransferTrainerFactory.trainer_init, info, client, ModuleSource(module)
@@ -317,6 +331,7 @@ class Summary:
     send_s: float
     round_tokens: int
     base_pct: float
+    vs_no_rounds: float
     tok_s: float
     gap_ms: float
     stall_ms: float
@@ -337,6 +352,10 @@ class Summary:
             send_s=statistics.median(s.send_s for s in slots),
             round_tokens=sum(s.round_tokens for s in slots),
             base_pct=100 * sum(s.round_tokens for s in slots) / expected,
+            # Tokens over the active slots against the lead rate kept up throughout: the
+            # throughput of the same engine with no rounds at all.
+            vs_no_rounds=sum(s.active_tokens for s in slots)
+            / sum(s.active_s * s.lead_tokens / s.lead_s for s in slots),
             tok_s=sum(s.active_tokens for s in slots) / sum(s.active_s for s in slots),
             gap_ms=1000 * statistics.median(s.median_gap_s for s in slots),
             stall_ms=statistics.median(stalls),
@@ -370,15 +389,16 @@ def report(engines: list[Engine], args: argparse.Namespace, elapsed: float) -> N
         f" tail {args.tail:g} s; p50 over rounds unless noted\n"
     )
     print(f"{'config':<11}{'round s':>8}{'send s':>8}{'tok in rounds':>14}{'%base':>7}"
-          f"{'tok/s':>8}{'gap ms':>8}{'stall ms':>9}{'max':>7}{'stall/gap':>10}"
+          f"{'vs none':>8}{'tok/s':>8}{'gap ms':>8}{'stall ms':>9}{'max':>7}{'stall/gap':>10}"
           f"{'ctx':>6}{'stale':>7}")  # fmt: skip
     for s in rows:
         print(
             f"{s.name:<11}{s.round_s:8.2f}{s.send_s:8.2f}{s.round_tokens:14d}{s.base_pct:6.0f}%"
-            f"{s.tok_s:8.1f}{s.gap_ms:8.1f}{s.stall_ms:9.0f}{s.stall_max_ms:7.0f}"
-            f"{s.stall_ms / s.gap_ms:9.1f}x{s.context:6.0f}{s.stale:4d}/{s.streams}"
+            f"{s.vs_no_rounds:8.2f}{s.tok_s:8.1f}{s.gap_ms:8.1f}{s.stall_ms:9.0f}"
+            f"{s.stall_max_ms:7.0f}{s.stall_ms / s.gap_ms:9.1f}x{s.context:6.0f}"
+            f"{s.stale:4d}/{s.streams}"
         )
-    paused = rows[0]
+    paused = rows[0]  # the first configuration is the reference
     print()
     for s in rows[1:]:
         print(
@@ -387,6 +407,12 @@ def report(engines: list[Engine], args: argparse.Namespace, elapsed: float) -> N
             f"{ratio(s.round_s, paused.round_s)}, stall at the switch "
             f"{ratio(s.stall_ms, paused.stall_ms)}"
         )
+    lost = {s.name: 1 - s.vs_no_rounds for s in rows}
+    for name in lost:
+        if name != "paused" and "paused" in lost and lost[name] > 0:
+            print(f"throughput lost to rounds: paused {lost['paused']:.1%}, {name} "
+                  f"{lost[name]:.1%} ({lost['paused'] / lost[name]:.1f}x less)")  # fmt: skip
+    print("vs none: tokens over the active slots against the lead rate kept up throughout")
     print("\nstale: streams whose first token after the switch is marked stale (KV kept)")
     print(f"total wall time {elapsed:.0f} s")
 
@@ -398,8 +424,8 @@ async def main(args: argparse.Namespace) -> None:
     module, weight_sets = load_trainer(path, args.noise)
     engines = []
     try:
-        for config in CONFIGS:
-            engines.append(await start_engine(config, path, module, args))
+        for name in args.configs:
+            engines.append(await start_engine(CONFIGS[name], path, module, args))
         print(
             f"model {path.name} (float32), engines ready in {time.perf_counter() - begin:.0f} s;"
             f" {sum(p.numel() for p in module.parameters()) * 4 / 1e6:.0f} MB per round\n",
@@ -417,6 +443,7 @@ async def main(args: argparse.Namespace) -> None:
         digests = {(await e.llm.get_weight_info())["digest"] for e in engines}
         versions = [(await e.llm.get_weight_version())["version"] for e in engines]
         finished = sum(g.finished for e in engines for g in e.logs)
+        memory = {e.config.name: resident_mb(e.llm) for e in engines}
     finally:
         for engine in engines:
             for task in engine.tasks:
@@ -426,10 +453,23 @@ async def main(args: argparse.Namespace) -> None:
     report(engines, args, time.perf_counter() - begin)
     print(
         f"engine weight versions after the run: {versions}; weights "
-        f"{'identical' if len(digests) == 1 else 'DIFFERENT'} across the three engines"
+        f"{'identical' if len(digests) == 1 else 'DIFFERENT'} across the engines"
+    )
+    print(
+        "engine process memory (RSS, MB): " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items())
     )
     if finished:
         print(f"WARNING: {finished} streams finished before the end: raise --max-tokens")
+
+
+def resident_mb(llm: AsyncLLM) -> float:
+    """The engine core process's resident memory."""
+    pid = llm.client.process.pid  # type: ignore[attr-defined]
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def parse_args() -> argparse.Namespace:
@@ -450,6 +490,10 @@ def parse_args() -> argparse.Namespace:
         help="torch threads per engine core and in the trainer (this process)",
     )
     parser.add_argument("--noise", type=float, default=1e-3, help="relative perturbation")
+    parser.add_argument("--backend", choices=["gloo", "ipc"], default="gloo")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                        default=["paused", "keep", "swap"],
+                        help="the first is the reference")  # fmt: skip
     return parser.parse_args()
 
 

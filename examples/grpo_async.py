@@ -33,11 +33,14 @@ hardware, so on a 2-core machine the overlap of `async` is measurable. `--compar
 both modes one after the other and saves a reward-vs-time plot (matplotlib).
 
 Rollouts come from hotswap in process (the default: `AsyncLLM` with its engine core in a
-child process) or over HTTP from `hotswap serve`:
+child process), over HTTP from `hotswap serve`, or from engine actors on a local Ray
+(`--engine ray`, `--ray-engines N`; weights over ipc, gloo, or Ray's object store with
+`--transport ray`):
 
     .venv/bin/python examples/grpo_async.py --mode async --steps 30
     .venv/bin/python examples/grpo_async.py --compare --steps 20 --plot grpo.png
     .venv/bin/python examples/grpo_async.py --engine http          # starts hotswap serve
+    .venv/bin/python examples/grpo_async.py --engine ray --transport ray
     # or against a server you started (same machine for ipc; pin it to its own core):
     taskset -c 1 .venv/bin/hotswap serve --enable-control --dtype float32 --num-threads 1 \\
         --logprobs-mode processed_logprobs --weight-transfer-config '{"backend": "ipc"}'
@@ -68,21 +71,26 @@ import time
 from collections.abc import Coroutine, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+from _grpo_engines import (
+    Completion,
+    HTTPEngine,
+    InProcessEngine,
+    RayEngine,
+    RolloutEngine,
+    hotswap_server,
+)
 
 from hotswap.default_model import default_model_dir
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
 from hotswap.weight_transfer import (
     GlooTrainerInitInfo,
-    HTTPWeightSyncClient,
-    InProcessWeightSyncClient,
     IPCTrainerInitInfo,
     ModuleSource,
     TrainerWeightTransferEngine,
-    WeightSyncClient,
     WeightTransferTrainerFactory,
 )
 
@@ -116,9 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=["sync", "async"], default="async")
     p.add_argument("--compare", action="store_true", help="run sync, then async; plot both")
     p.add_argument("--plot", default="grpo_async_compare.png", help="--compare's PNG")
-    p.add_argument("--engine", choices=["inprocess", "http"], default="inprocess")
+    p.add_argument("--engine", choices=["inprocess", "http", "ray"], default="inprocess")
+    p.add_argument("--ray-engines", type=int, default=1, help="ray: engine actors")
     p.add_argument("--server-url", default=None, help="http: a running hotswap serve")
-    p.add_argument("--transport", choices=["ipc", "gloo"], default="ipc")
+    p.add_argument("--transport", choices=["ipc", "gloo", "ray"], default="ipc",
+                   help="ray: through Ray's object store (--engine ray only)")  # fmt: skip
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-seconds", type=float, default=900.0, help="start no step after this")
     p.add_argument("--prompts-per-step", type=int, default=2)
@@ -190,159 +200,11 @@ class LoopThread:
 
 # -- rollouts ---------------------------------------------------------------------------
 @dataclass
-class Completion:
-    """One sampled completion, as the trainer needs it."""
-
-    token_ids: list[int]
-    logprobs: list[float]  # the engine's processed logprob of each sampled token
-    versions: list[int]  # the weight version that produced each token
-    text: str
-
-
-@dataclass
 class Sample:
     prompt_ids: list[int]
     completion: Completion
     reward: float
     advantage: float = 0.0
-
-
-class RolloutEngine(Protocol):
-    weight_client: WeightSyncClient
-
-    async def complete(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
-        """`params.n` completions of one prompt."""
-        ...
-
-    async def pause(self) -> None: ...
-
-    async def resume(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def in_flight_config(args: argparse.Namespace) -> dict[str, Any]:
-    """--in-flight: rounds are received beside the steps and switched between two; the
-    requests running across the switch recompute their KV under the new weights, so
-    their later tokens are exactly on the new policy (not stale)."""
-    return {"in_flight": True, "kv_policy": "recompute"} if args.in_flight else {}
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "dtype": args.dtype,
-        "lm_head_dtype": args.lm_head_dtype,
-        "num_threads": args.engine_threads,
-        "logprobs_mode": "processed_logprobs",
-        "weight_transfer_config": {"backend": args.transport, **in_flight_config(args)},
-        "seed": args.seed,
-    }
-
-
-class InProcessEngine:
-    """`AsyncLLM` with its engine core in a child process (so it can have its own cores)."""
-
-    def __init__(self, args: argparse.Namespace, loop: LoopThread) -> None:
-        from hotswap import AsyncLLM
-
-        self.llm = AsyncLLM(multiprocess=True, progress=False, **engine_options(args))
-        loop.run(self.llm.get_weight_info())  # starts the front-end on the loop thread
-        self.weight_client = InProcessWeightSyncClient(self.llm)
-        self.ids = iter(range(1 << 62))
-
-    async def complete(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
-        request_id = f"r{next(self.ids)}"
-        async for partial in self.llm.generate(prompt_ids, params, request_id=request_id):
-            out = partial  # cumulative: the last one is the whole completion
-        return [
-            Completion(
-                list(c.token_ids),
-                [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])],
-                c.token_versions,
-                c.text,
-            )
-            for c in sorted(out.outputs, key=lambda c: c.index)
-        ]
-
-    async def pause(self) -> None:
-        # keep: requests in flight are frozen, not aborted; clear_cache: they recompute
-        # their KV on the new weights, so tokens after the push are exactly on-policy.
-        await self.llm.pause_generation(mode="keep", clear_cache=True)
-
-    async def resume(self) -> None:
-        await self.llm.resume_generation()
-
-    def close(self) -> None:
-        self.llm.shutdown()
-
-
-class HTTPEngine:
-    """`hotswap serve` over its OpenAI API and RL control plane."""
-
-    def __init__(self, url: str, loop: LoopThread) -> None:
-        import httpx
-
-        self.loop = loop
-        self.weight_client = HTTPWeightSyncClient(url)
-        self.http = loop.run(_async_client(httpx, url))
-        self.model = loop.run(self.http.get("/v1/models")).json()["data"][0]["id"]
-
-    async def complete(self, prompt_ids: list[int], params: SamplingParams) -> list[Completion]:
-        body = {
-            "model": self.model, "prompt": prompt_ids, "n": params.n,
-            "temperature": params.temperature, "top_p": params.top_p,
-            "max_tokens": params.max_tokens, "seed": params.seed, "logprobs": 0,
-            "return_token_ids": True,
-        }  # fmt: skip
-        response = await self.http.post("/v1/completions", json=body)
-        response.raise_for_status()
-        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
-        return [
-            Completion(
-                c["token_ids"],
-                c["logprobs"]["token_logprobs"],
-                unroll(c["weight_versions"], len(c["token_ids"])),
-                c["text"],
-            )
-            for c in choices
-        ]
-
-    async def pause(self) -> None:
-        r = await self.http.post("/pause", params={"mode": "keep", "clear_cache": "true"})
-        r.raise_for_status()
-
-    async def resume(self) -> None:
-        (await self.http.post("/resume")).raise_for_status()
-
-    def close(self) -> None:
-        self.weight_client.close()
-        self.loop.run(self.http.aclose())
-
-
-async def _async_client(httpx: Any, url: str) -> Any:
-    return httpx.AsyncClient(base_url=url, timeout=600.0)
-
-
-def unroll(spans: list[dict[str, Any]], length: int) -> list[int]:
-    """Per-token versions from the response's weight-version spans."""
-    versions = [0] * length
-    for span in spans:
-        versions[span["start"] : span["end"]] = [span["version"]] * (span["end"] - span["start"])
-    return versions
-
-
-@contextlib.contextmanager
-def hotswap_server(args: argparse.Namespace) -> Iterator[str]:
-    """`hotswap serve` as a child process; its weights come with the first push."""
-    from _rlhf_http import serve  # examples/: the server plumbing of the rlhf_http examples
-
-    options = engine_options(args)
-    extra = ["--dtype", args.dtype, "--num-threads", str(args.engine_threads),
-             "--logprobs-mode", options["logprobs_mode"], "--seed", str(args.seed)]  # fmt: skip
-    if args.lm_head_dtype:
-        extra += ["--lm-head-dtype", args.lm_head_dtype]
-    with serve(options["weight_transfer_config"], extra) as (_, url):
-        yield url
 
 
 async def rollout_batch(
@@ -595,10 +457,15 @@ def trainer_init(
         # share_source: the parameters move into shared memory once, in place (the
         # optimizer keeps working); each push then sends only names and offsets.
         info: Any = IPCTrainerInitInfo(share_source=True)
+    elif args.transport == "ray":
+        from hotswap.ray import RayTrainerInitInfo
+
+        info = RayTrainerInitInfo()
     else:
         from _rlhf_http import free_port
 
-        info = GlooTrainerInitInfo(master_port=free_port(), world_size=2)
+        workers = getattr(engine.weight_client, "num_workers", 1)  # a group: all its engines
+        info = GlooTrainerInitInfo(master_port=free_port(), world_size=1 + workers)
     return WeightTransferTrainerFactory.trainer_init(
         info, engine.weight_client, ModuleSource(trainer.policy)
     )
@@ -634,6 +501,8 @@ def open_engine(
 ) -> RolloutEngine:
     if args.engine == "inprocess":
         engine: RolloutEngine = InProcessEngine(args, loop)
+    elif args.engine == "ray":
+        engine = RayEngine(args)
     else:
         url = args.server_url or stack.enter_context(hotswap_server(args))
         engine = HTTPEngine(url, loop)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field, fields
@@ -140,9 +141,15 @@ class EngineArgs:
     batch_invariant: bool = False
     device: str = "cpu"
     # Engine cores behind one front-end (AsyncLLM multiprocess / hotswap serve); with CUDA,
-    # rank i runs on the device's index + i.
+    # rank i runs on the device's index + i (backend "ray": on the GPU Ray gives it).
     data_parallel_size: int = 1
     data_parallel_rank: int = 0  # set per engine core by the data-parallel front-end
+    # Where the engine cores run (vLLM's --data-parallel-backend): "mp", child processes
+    # of the front-end; "ray", Ray actors (one placement-group bundle each; hotswap[ray]).
+    data_parallel_backend: str = "mp"
+    # The Ray cluster for backend "ray" ("auto", "ray://host:10001", ...); None: the one
+    # this process already joined, else `ray.init()`'s (a new local one if none is found).
+    ray_address: str | None = None
     # torch threads per engine core (None: torch's choice); process-wide when the engine
     # runs in this process
     num_threads: int | None = None
@@ -179,6 +186,7 @@ class EngineArgs:
             head_dtype=self._head_dtype(),
         )
         _check_positive("data_parallel_size", self.data_parallel_size)
+        check_data_parallel_backend(self.data_parallel_backend, self.ray_address)
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
         return EngineConfig(
@@ -334,6 +342,30 @@ def check_device(value: str) -> str:
                 f"device: {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s)",
             )
     return str(device)
+
+
+DATA_PARALLEL_BACKENDS = ("mp", "ray")
+
+
+def check_data_parallel_backend(backend: object, ray_address: object) -> str:
+    """ "mp" or "ray", and Ray installed when it is "ray" (looked up, not imported)."""
+    if backend not in DATA_PARALLEL_BACKENDS:
+        raise InvalidArgument(
+            "data_parallel_backend",
+            f"data_parallel_backend: unknown {backend!r}; "
+            f"choose from {', '.join(DATA_PARALLEL_BACKENDS)}",
+        )
+    if ray_address is not None and (not isinstance(ray_address, str) or not ray_address):
+        raise InvalidArgument(
+            "ray_address", f"ray_address: must be a cluster address, got {ray_address!r}"
+        )
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise InvalidArgument(
+            "data_parallel_backend",
+            "data_parallel_backend: 'ray' needs Ray, which is not installed: "
+            "pip install 'hotswap[ray]'",
+        )
+    return backend  # type: ignore[return-value]
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

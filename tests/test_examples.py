@@ -22,6 +22,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("rlhf_http_ipc.py", "Paris"),
         ("rlhf_async.py", "trained"),
         ("rlhf_multi_server.py", "every server now has: {'weight_version': 'step-1'"),
+        ("rlhf_ray.py", "(trained weights): 'The capital of France is' -> ' Paris"),
     ],
 )
 def test_example_runs(script: str, expected: str) -> None:
@@ -92,5 +93,20 @@ def test_grpo_recipe_with_in_flight_pushes(tmp_path: Path) -> None:
     summary = json.loads(log.read_text())["summary"]
     assert summary["steps"] == 8
     assert summary["reward_last"] >= summary["reward_first"] + 0.2, summary
+    assert summary["on_policy_tokens"] > 0
+    assert summary["max_abs_dlogp"] <= 1e-4, summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_grpo_recipe_with_its_engines_on_ray(tmp_path: Path) -> None:
+    """--engine ray: two engine actors on a local Ray, weights through the object store
+    with a two-phase commit; the engines' logprobs still match the trainer's."""
+    pytest.importorskip("ray")
+    log = tmp_path / "grpo.json"
+    run_grpo("--mode", "async", "--steps", "3", "--engine", "ray", "--ray-engines", "2",
+             "--engine-threads", "1", "--transport", "ray", "--log-json", str(log))  # fmt: skip
+    summary = json.loads(log.read_text())["summary"]
+    assert (summary["steps"], summary["engine"], summary["transport"]) == (3, "ray", "ray")
     assert summary["on_policy_tokens"] > 0
     assert summary["max_abs_dlogp"] <= 1e-4, summary

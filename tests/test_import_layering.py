@@ -46,6 +46,10 @@ LAYERS = {
     "hotswap.__main__": 5,
     # 6: the optional Ray integration; no other module may import it
     "hotswap.ray": 6,
+    # ... but one: engine cores as Ray actors, a rank launcher for the data-parallel client
+    # beside the process one, built from engine parts alone. AsyncLLM imports it, deferred,
+    # when data_parallel_backend is "ray" (the `ray` import itself stays in hotswap.ray).
+    "hotswap.ray.dp": 3,
 }
 RAY_PACKAGE = "hotswap.ray"
 

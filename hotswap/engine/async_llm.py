@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hotswap.config import EngineArgs
+from hotswap.config import EngineArgs, EngineConfig
 from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient, MPEngineClient
 from hotswap.engine.dp_client import DPEngineClient
 from hotswap.engine.errors import EngineDeadError, EngineStateError, InvalidArgument
@@ -40,7 +40,8 @@ class AsyncLLM:
         **engine_args: Any,
     ) -> None:
         """`multiprocess=True` runs the engine core in a child process over ZMQ (what the
-        server uses); otherwise it runs on a thread of this process."""
+        server uses), or in Ray actors with data_parallel_backend="ray"; otherwise it runs
+        on a thread of this process."""
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"AsyncLLM: unknown engine argument(s) {sorted(unknown)}")
@@ -48,20 +49,7 @@ class AsyncLLM:
         self.config = args.create_engine_config()
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
-        self.client: EngineCoreClient
-        if args.data_parallel_size > 1:
-            if not multiprocess:
-                raise ValueError(
-                    "data_parallel_size: engine cores run in child processes; "
-                    "use multiprocess=True (hotswap serve does)"
-                )
-            self.client = DPEngineClient(args)
-        elif multiprocess:
-            self.client = MPEngineClient(args)
-        else:
-            if args.num_threads is not None:
-                torch.set_num_threads(args.num_threads)  # the engine runs in this process
-            self.client = InprocEngineClient(self.config, progress=progress)
+        self.client = _engine_client(args, self.config, multiprocess, progress)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -334,6 +322,33 @@ class AsyncLLM:
             if not future.done():
                 future.set_exception(error)
         self._calls.clear()
+
+
+def _engine_client(
+    args: EngineArgs, config: EngineConfig, multiprocess: bool, progress: bool
+) -> EngineCoreClient:
+    """Where the engine cores run: child processes (one, or one per data-parallel rank),
+    Ray actors (backend "ray"), or a thread of this process."""
+    out_of_process = args.data_parallel_size > 1 or args.data_parallel_backend == "ray"
+    if out_of_process and not multiprocess:
+        raise ValueError(
+            f"data_parallel_{'size' if args.data_parallel_size > 1 else 'backend'}: "
+            "engine cores run in child processes or Ray actors; use multiprocess=True "
+            "(hotswap serve does)"
+        )
+    if args.data_parallel_backend == "ray":
+        # The one import of the Ray integration from the core, deferred: it loads Ray
+        # only when asked for (tests/test_import_layering.py allows exactly this module).
+        from hotswap.ray.dp import RayRankLauncher
+
+        return DPEngineClient(args, RayRankLauncher(args))
+    if args.data_parallel_size > 1:
+        return DPEngineClient(args)
+    if multiprocess:
+        return MPEngineClient(args)
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)  # the engine runs in this process
+    return InprocEngineClient(config, progress=progress)
 
 
 def raised_error(error: CallError) -> Exception:

@@ -126,6 +126,8 @@ class EngineCore:
             "sleep_level": self.sleep_state.level,
             "weights_missing": self.sleep_state.weights_missing,
             "weight_round_open": self.weight_sync.round_open,
+            # How a commit switches weights: "swap" (double buffer) or "copy".
+            "weight_switch": "swap" if self.weight_sync.shadow is not None else "copy",
             **self._step_time_stats(),
         }
 

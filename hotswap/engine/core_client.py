@@ -1,8 +1,9 @@
 """Front-end side of the engine core: send requests, aborts and control calls; receive
 batches of outputs through a callback (called on the client's own thread).
 
-`InprocEngineClient` runs the engine core loop in a thread of this process; a process
-client (ZMQ) implements the same interface, and a data-parallel client can fan calls out
+`InprocEngineClient` runs the engine core loop in a thread of this process; `MPEngineClient`
+(ZMQ) implements the same interface with the core elsewhere (a `CoreRunner`: a child
+process, or a Ray actor in hotswap.ray.dp), and a data-parallel client can fan calls out
 over several of them.
 """
 
@@ -83,51 +84,132 @@ class InprocEngineClient(EngineCoreClient):
         self.thread = None
 
 
+class CoreRunner(ABC):
+    """Where `MPEngineClient`'s engine core runs: binds the front-end's two sockets, starts
+    the core connected to them, says whether it still runs and ends it. `ProcessRunner`:
+    a child process; hotswap.ray.dp: a Ray actor."""
+
+    kind = "process"  # named in errors: "engine core process exited with code 1"
+
+    @abstractmethod
+    def bind(self, input: zmq.Socket, output: zmq.Socket) -> tuple[str, str]:
+        """Bind the front-end's input and output sockets; returns the addresses the core
+        connects to, in that order."""
+
+    @abstractmethod
+    def start(self, input_addr: str, output_addr: str, engine_args: EngineArgs) -> None: ...
+
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+    @abstractmethod
+    def exit_description(self) -> str:
+        """Why the core is gone (once `alive()` is False), e.g. "exited with code 1"."""
+
+    @abstractmethod
+    def stop(self, grace_s: float) -> None:
+        """Wait up to `grace_s` for the core to end (it was sent SHUTDOWN), then end it."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what `bind` made beyond the sockets (run after `stop`)."""
+
+
+class ProcessRunner(CoreRunner):
+    """`python -m hotswap.engine.core_proc` over IPC sockets in a private temporary
+    directory (no ports)."""
+
+    def __init__(self) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+        self.process: subprocess.Popen | None = None
+
+    def bind(self, input: zmq.Socket, output: zmq.Socket) -> tuple[str, str]:
+        input_addr, output_addr = f"ipc://{self.tmpdir}/input", f"ipc://{self.tmpdir}/output"
+        input.bind(input_addr)
+        output.bind(output_addr)
+        return input_addr, output_addr
+
+    def start(self, input_addr: str, output_addr: str, engine_args: EngineArgs) -> None:
+        args_json = json.dumps(dataclasses.asdict(engine_args))
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "hotswap.engine.core_proc", input_addr, output_addr, args_json],
+            stdin=subprocess.DEVNULL,
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def exit_description(self) -> str:
+        code = self.process.returncode if self.process is not None else None
+        return f"exited with code {code}"
+
+    def stop(self, grace_s: float) -> None:
+        if self.process is None:
+            return
+        _wait(self.process, grace_s)
+        if self.process.poll() is None:
+            self.process.kill()
+            _wait(self.process, 5)
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
 class MPEngineClient(EngineCoreClient):
-    """The engine core in a child process, over two ZMQ IPC sockets in a private temporary
-    directory (no ports). If the process dies, one `engine_error` batch reaches the handler
-    within ~0.1 s, so every pending stream and call fails at once instead of hanging."""
+    """The engine core out of this process (a child process by default; `runner` says
+    where), over two ZMQ sockets the front-end binds. If the core dies, one `engine_error`
+    batch reaches the handler within ~0.1 s, so every pending stream and call fails at once
+    instead of hanging."""
 
     POLL_MS = 100
 
-    def __init__(self, engine_args: EngineArgs, startup_timeout: float = 600.0) -> None:
-        self.tmpdir = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        startup_timeout: float = 600.0,
+        runner: CoreRunner | None = None,
+    ) -> None:
+        self.runner = runner if runner is not None else ProcessRunner()
         self.context = zmq.Context()
         self.input = self.context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)  # queue without limit while the core is busy
-        self.input.bind(f"ipc://{self.tmpdir}/input")
         self.output = self.context.socket(zmq.PULL)
-        self.output.bind(f"ipc://{self.tmpdir}/output")
         self.send_lock = threading.Lock()
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hotswap.engine.core_proc",
-                f"ipc://{self.tmpdir}/input",
-                f"ipc://{self.tmpdir}/output",
-                json.dumps(dataclasses.asdict(engine_args)),
-            ],
-            stdin=subprocess.DEVNULL,
-        )
         self.receiver: threading.Thread | None = None
         self.closed = False
+        try:
+            self.runner.start(*self.runner.bind(self.input, self.output), engine_args)
+        except BaseException:
+            self.shutdown()
+            raise
         self._wait_ready(startup_timeout)
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The child process (the default runner only)."""
+        return getattr(self.runner, "process", None)
+
+    @property
+    def tmpdir(self) -> str | None:
+        """The sockets' private directory (the default runner only)."""
+        return getattr(self.runner, "tmpdir", None)
 
     def _wait_ready(self, timeout: float) -> None:
         waited = 0.0
+        kind = self.runner.kind
         while not self.output.poll(self.POLL_MS):
             waited += self.POLL_MS / 1000
-            if self.process.poll() is not None or waited > timeout:
+            if not self.runner.alive() or waited > timeout:
+                reason = self.runner.exit_description() if not self.runner.alive() else None
                 self.shutdown()
                 raise RuntimeError(
-                    f"engine core process failed to start (exit code {self.process.returncode})"
+                    f"engine core {kind} failed to start ({reason or f'no READY in {timeout} s'})"
                 )
         message = self.output.recv()
         if message != READY:
             error = decode_outputs(message).engine_error
             self.shutdown()
-            raise RuntimeError(f"engine core process: {error}")
+            raise RuntimeError(f"engine core {kind}: {error}")
 
     def start(self, on_outputs: OutputHandler) -> None:
         self.receiver = threading.Thread(
@@ -139,26 +221,23 @@ class MPEngineClient(EngineCoreClient):
         while not self.closed:
             if self.output.poll(self.POLL_MS):
                 on_outputs(decode_outputs(self.output.recv()))
-            elif self.process.poll() is not None:
+            elif not self.runner.alive():
                 if not self.closed:
-                    on_outputs(
-                        EngineCoreOutputs(
-                            engine_error=(
-                                f"engine core process exited with code {self.process.returncode}"
-                            )
-                        )
-                    )
+                    error = f"engine core {self.runner.kind} {self.runner.exit_description()}"
+                    on_outputs(EngineCoreOutputs(engine_error=error))
                 return
 
     def _send(self, kind: InputKind, payload: Any) -> None:
-        """Never blocks on a dead core: with the process gone a PUSH socket has no peer and
-        a plain send would wait forever, so we wait for room in short polls, checking the
-        process in between; sends to a dead core are dropped (its death is reported)."""
+        """Never blocks on a dead core: with the core gone a PUSH socket has no peer and a
+        plain send would wait forever, so we wait for room in short polls, checking the
+        core in between; sends to a dead core are dropped (its death is reported)."""
         frames = encode_input(kind, payload)
         with self.send_lock:
-            while not self.closed and self.process.poll() is None:
+            while not self.closed:
                 if self.input.poll(self.POLL_MS, zmq.POLLOUT):
                     self.input.send_multipart(frames, flags=zmq.NOBLOCK)
+                    return
+                if not self.runner.alive():
                     return
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -174,12 +253,9 @@ class MPEngineClient(EngineCoreClient):
     def shutdown(self) -> None:
         if self.closed:
             return
-        if self.process.poll() is None:
+        if self.runner.alive():
             self._send(InputKind.SHUTDOWN, None)
-            _wait(self.process, 10)
-        if self.process.poll() is None:
-            self.process.kill()
-            _wait(self.process, 5)
+        self.runner.stop(grace_s=10)
         self.closed = True
         if self.receiver is not None and self.receiver is not threading.current_thread():
             self.receiver.join(timeout=5)
@@ -187,7 +263,7 @@ class MPEngineClient(EngineCoreClient):
             self.input.close(linger=0)
             self.output.close(linger=0)
             self.context.term()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.runner.close()
 
 
 def _wait(process: subprocess.Popen, timeout: float) -> None:

@@ -34,11 +34,29 @@ logger = logging.getLogger(__name__)
 PARENT_POLL_S = 1.0
 
 
-def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Process entry point. Loads the model, says READY, then serves until SHUTDOWN."""
+def run_engine_core(
+    input_addr: str, output_addr: str, args_json: str, server_key: bytes | None = None
+) -> bool:
+    """Build the engine core from its arguments (JSON of `EngineArgs`), connect to the
+    front-end, say READY and serve until SHUTDOWN. Returns whether the loop failed; raises
+    if start-up fails. Shared by the child process (`main`) and the Ray actor
+    (hotswap.ray.dp), which both connect to sockets the front-end bound; `server_key`: the
+    front-end's CURVE public key when its sockets require CURVE (TCP)."""
+    args = EngineArgs(**json.loads(args_json))
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    config = args.create_engine_config()
+    return serve_engine_core(config, input_addr, output_addr, server_key)
+
+
+def serve_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str, server_key: bytes | None = None
+) -> bool:
+    """Loads the model, says READY, then serves until SHUTDOWN; returns whether the loop
+    failed. After a failure the input thread may still block in recv, so its socket and
+    ZMQ context are left open: the process ends (or the actor is killed) right after."""
     context = zmq.Context()
-    output = context.socket(zmq.PUSH)
-    output.connect(output_addr)
+    output = _connect(context, zmq.PUSH, output_addr, server_key)
     try:
         core = EngineCore(config, progress=False)
     except Exception as e:  # noqa: BLE001 - report why start-up failed, then exit
@@ -47,9 +65,8 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
         raise
     inbox: queue.Queue[tuple[InputKind, Any]] = queue.Queue()
     # Connected here, before READY, then owned by the reader thread alone.
-    sock = context.socket(zmq.PULL)
+    sock = _connect(context, zmq.PULL, input_addr, server_key)
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(input_addr)
     reader = threading.Thread(
         target=_read_inputs, args=(sock, inbox), name="hotswap-core-input", daemon=True
     )
@@ -58,9 +75,22 @@ def run_engine_core_process(config: EngineConfig, input_addr: str, output_addr: 
     loop = EngineCoreLoop(core, inbox, lambda batch: output.send(encode_outputs(batch)))
     loop.run()
     output.close(linger=2000)  # flush the last outputs
-    # Exit without interpreter teardown: after a crash the input thread may still block
-    # in recv, and terminating its ZMQ context would wait for it forever.
-    os._exit(1 if loop.failed else 0)
+    if not loop.failed:
+        reader.join(timeout=5)  # it closes its socket on SHUTDOWN
+        if not reader.is_alive():
+            context.term()
+    return loop.failed
+
+
+def _connect(context: zmq.Context, kind: int, addr: str, server_key: bytes | None) -> zmq.Socket:
+    sock = context.socket(kind)
+    if addr.startswith("tcp://["):  # an IPv6 node address (hotswap.ray.dp)
+        sock.setsockopt(zmq.IPV6, 1)
+    if server_key is not None:  # a CURVE client of the front-end, with a key of its own
+        sock.curve_serverkey = server_key
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(addr)
+    return sock
 
 
 def _read_inputs(sock: zmq.Socket, inbox: queue.Queue[tuple[InputKind, Any]]) -> None:
@@ -100,11 +130,10 @@ def main(argv: list[str]) -> None:
         name="hotswap-parent-watch",
         daemon=True,
     ).start()
-    args = EngineArgs(**json.loads(args_json))
-    if args.num_threads is not None:
-        torch.set_num_threads(args.num_threads)
-    config = args.create_engine_config()
-    run_engine_core_process(config, input_addr, output_addr)
+    failed = run_engine_core(input_addr, output_addr, args_json)
+    # Exit without interpreter teardown: after a crash the input thread may still block
+    # in recv, and terminating its ZMQ context would wait for it forever.
+    os._exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

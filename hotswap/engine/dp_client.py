@@ -1,5 +1,5 @@
-"""Data parallel (DESIGN §2): N engine cores, each in its own child process with its own
-model copy and KV cache, behind one front-end.
+"""Data parallel (DESIGN §2): N engine cores, each in its own child process (or Ray actor,
+hotswap.ray.dp) with its own model copy and KV cache, behind one front-end.
 
 - A new request goes to the rank with the fewest unfinished requests; its aborts follow it.
 - Every control call goes to every rank and is answered once all have answered, with the
@@ -46,12 +46,25 @@ def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
     )
 
 
+class RankLauncher:
+    """Starts the data-parallel ranks: by default each in a child process (an
+    `MPEngineClient`); hotswap.ray.dp starts them as Ray actors. `shutdown` runs after
+    every rank's, to release what the launcher holds."""
+
+    def start_rank(self, engine_args: EngineArgs, rank: int) -> EngineCoreClient:
+        return MPEngineClient(rank_args(engine_args, rank))
+
+    def shutdown(self) -> None:
+        pass
+
+
 class DPEngineClient(EngineCoreClient):
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.ranks: list[MPEngineClient] = []
+    def __init__(self, engine_args: EngineArgs, launcher: RankLauncher | None = None) -> None:
+        self.launcher = launcher if launcher is not None else RankLauncher()
+        self.ranks: list[EngineCoreClient] = []
         try:
             for rank in range(engine_args.data_parallel_size):
-                self.ranks.append(MPEngineClient(rank_args(engine_args, rank)))
+                self.ranks.append(self.launcher.start_rank(engine_args, rank))
         except BaseException:
             self.shutdown()
             raise
@@ -97,6 +110,7 @@ class DPEngineClient(EngineCoreClient):
     def shutdown(self) -> None:
         for rank in self.ranks:
             rank.shutdown()
+        self.launcher.shutdown()
 
     def _from_rank(self, index: int, batch: EngineCoreOutputs) -> None:
         assert self.on_outputs is not None

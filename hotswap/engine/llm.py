@@ -38,6 +38,11 @@ class LLM:
                 "data_parallel_size: LLM runs one engine core; use AsyncLLM(multiprocess=True, "
                 "data_parallel_size=N) or hotswap serve --data-parallel-size N"
             )
+        if args.data_parallel_backend != "mp":
+            raise ValueError(
+                "data_parallel_backend: LLM runs its engine core in this process; use "
+                "AsyncLLM(multiprocess=True, data_parallel_backend='ray') or hotswap serve"
+            )
         self.config = args.create_engine_config()
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from hotswap.engine.double_buffer import ShadowWeights, fits
 from hotswap.engine.errors import EngineStateError
 from hotswap.engine.verbs import InlineTensor
+from hotswap.engine.weight_targets import WeightTargets
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
@@ -42,6 +44,7 @@ class Round:
     last_call: float = field(default_factory=time.monotonic)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     deltas: list[tuple[str, Delta]] = field(default_factory=list)  # applied after `staged`
+    in_shadow: bool = False  # written into the double buffer: the commit is a swap
 
 
 class WeightApplyError(RuntimeError):
@@ -69,7 +72,12 @@ class WeightSync:
         # Last round's receive buffers, reused by name: one extra copy of what was sent,
         # held between rounds, so a round copies into warm memory (no page faults).
         self._pool: dict[str, torch.Tensor] = {}
-        self._destinations: dict[tuple[bool, str], Any] = {}
+        self.targets = WeightTargets(model)
+        # Double buffering (double_buffer.py): rounds are written into a second copy of the
+        # weights and the commit swaps the two. None: the commit copies the stage in.
+        self.shadow: ShadowWeights | None = None
+        if config and config.double_buffer and fits(model, device, config.allow_copy_fallback):
+            self.shadow = ShadowWeights(model)
 
     @property
     def round_open(self) -> bool:
@@ -133,7 +141,8 @@ class WeightSync:
                 self.transfer.shutdown()
                 self.transfer, self.round = None, None
             raise
-        problems = [p[1] for m in metas if (p := self._check(m)) is not None]
+        checkpoint = self.round.is_checkpoint_format
+        problems = [p[1] for m in metas if (p := self.targets.check(m, checkpoint)) is not None]
         if problems:  # drained into scratch memory: never over a buffer staged earlier
             self.transfer.allocate = _fresh(self.device)
         try:
@@ -145,12 +154,14 @@ class WeightSync:
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 # What the chunk's update_info claims does not fit the model.
                 raise InvalidArgument("update_info", problems[0] + more)
-            # Items are as the checked metas describe (the backend contract).
-            for name, item in self.transfer.receive_weights(update_info, metas):
-                if isinstance(item, Delta):
-                    self.round.deltas.append((name, item))
-                else:
-                    self.round.staged[name] = item
+            if self.shadow is not None:
+                self._receive_into_shadow(update_info, metas)
+            else:  # items are as the checked metas describe (the backend contract)
+                for name, item in self.transfer.receive_weights(update_info, metas):
+                    if isinstance(item, Delta):
+                        self.round.deltas.append((name, item))
+                    else:
+                        self.round.staged[name] = item
         except ValueError:
             raise  # refused chunk: nothing staged from it is used; the round stays open
         except Exception as e:
@@ -162,13 +173,43 @@ class WeightSync:
                 self.round.last_call = time.monotonic()
         return len(metas)
 
+    def _receive_into_shadow(self, update_info: dict[str, Any], metas: list[ParamMeta]) -> None:
+        """Double buffering: every received tensor (and delta) goes straight into the
+        shadow, in place where its dtype and shape allow; the stage records where."""
+        assert self.round is not None and self.transfer is not None and self.shadow is not None
+        shadow, checkpoint, round_ = self.shadow, self.round.is_checkpoint_format, self.round
+        round_.in_shadow = True
+        fallback = self.transfer.allocate
+        targets = {m.name: self._param_target(m.name, checkpoint) for m in metas}
+        self.transfer.allocate = lambda m: shadow.receive_buffer(m, targets.get(m.name), fallback)
+        try:
+            with torch.no_grad():
+                for name, item in self.transfer.receive_weights(update_info, metas):
+                    target = targets[name]
+                    if target is None:
+                        continue  # a name the model ignores
+                    sparse = isinstance(item, Delta)
+                    view = shadow.destination(target[1], target[0], sparse)
+                    if sparse:
+                        view.view(-1)[item.indices] = item.values.to(view.dtype)
+                    else:
+                        shadow.write(item, view)
+                    round_.staged[name] = view
+        finally:
+            self.transfer.allocate = fallback
+
+    def _param_target(self, name: str, checkpoint: bool) -> tuple[str, torch.Tensor] | None:
+        """(parameter name, the live view `name` is written to), or None if ignored."""
+        target = self.targets.target(name, checkpoint)
+        return None if target is None else (target[0].partition("#")[0], target[1])
+
     def prepare(self) -> int:
         """Phase one of a commit across several engines: everything `finish` checks,
         without applying; the round stays open. Returns how many tensors are staged."""
         if self.round is None:
             raise EngineStateError("prepare_weight_update: no round is open")
         if self.config is not None and self.config.require_complete:
-            self._check_complete(self.round)
+            self.targets.check_complete(set(self.round.staged), self.round.is_checkpoint_format)
         # The commit follows: the round must not expire between the two phases.
         self.round.last_call = time.monotonic()
         return len(self.round.staged) + len(self.round.deltas)
@@ -183,9 +224,10 @@ class WeightSync:
             self.transfer.finish_weight_update()
         if abort:
             logger.info("weight update round aborted by the caller")
+            self._discard(round_)
             return None
         if self.config is not None and self.config.require_complete:
-            self._check_complete(round_)
+            self.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
         self._apply(round_)
         return round_.staged
 
@@ -202,7 +244,7 @@ class WeightSync:
         try:
             self.update({"model_path": model_dir})
             round_, self.round = self.round, None
-            self._check_complete(round_)
+            self.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
             self._apply(round_)
         except ValueError as e:
             # `model_path` is the one argument: whatever its checkpoint fails (a file, a
@@ -227,7 +269,7 @@ class WeightSync:
         try:
             metas = self.transfer.parse_update_info(info)
             for i, meta in enumerate(metas):
-                problem = self._check(meta)
+                problem = self.targets.check(meta, True)
                 if problem is not None:
                     field = f"{ARGUMENT}[{i}].{problem[0]}"
                     raise InvalidArgument(field, f"{field}: {problem[1].removeprefix('weights: ')}")
@@ -235,7 +277,7 @@ class WeightSync:
                 self.round.staged[name] = tensor
             round_, self.round = self.round, None
             if self.config is not None and self.config.require_complete:
-                self._check_complete(round_)
+                self.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
             self._apply(round_)
             return round_.staged
         finally:
@@ -256,6 +298,7 @@ class WeightSync:
         if self.round is None or time.monotonic() - self.round.last_call < timeout_s:
             return False
         logger.warning("weight update round idle for over %g s: aborted", timeout_s)
+        self._discard(self.round)
         self.round = None
         if self.transfer is not None:
             self.transfer.finish_weight_update()
@@ -269,83 +312,18 @@ class WeightSync:
 
     def release_buffers(self) -> None:
         """Drop the pooled receive buffers (sleep frees memory; the next round
-        allocates again)."""
+        allocates again), and the double buffer."""
         self._pool.clear()
+        if self.shadow is not None:
+            self.shadow.release()
+
+    def _discard(self, round_: Round) -> None:
+        """A round that will not be committed: what it wrote into the shadow is stale."""
+        if round_.in_shadow and self.shadow is not None:
+            self.shadow.discard_round()
 
     def covers_model(self, staged: Iterable[str], is_checkpoint_format: bool) -> bool:
-        return not self._missing(set(staged), is_checkpoint_format)
-
-    # -- validation -----------------------------------------------------------------------
-    def _target(self, name: str, checkpoint: bool) -> tuple[str, torch.Tensor] | None:
-        if checkpoint:
-            return self.model.checkpoint_view(name)
-        params = self.model.parameter_index()
-        if name not in params:
-            raise ValueError(f"weights: unknown parameter {name!r} (engine format)")
-        return name, params[name].data
-
-    def _check(self, meta: ParamMeta) -> tuple[str, str] | None:
-        """None if the model can take `meta`'s tensor; else (what is wrong with it: name,
-        shape or dtype; why)."""
-        assert self.round is not None
-        try:
-            expected = self._destination(meta.name, self.round.is_checkpoint_format)
-        except ValueError as e:
-            return "name", str(e)
-        if expected is None:
-            return None  # a name the model ignores (e.g. rotary inv_freq)
-        shape, floating, dtype = expected
-        if shape != meta.shape:
-            return "shape", (
-                f"weights: shape mismatch for {meta.name!r}: sent {list(meta.shape)}, "
-                f"model expects {list(shape)}"
-            )
-        if floating != meta.dtype.is_floating_point:
-            return "dtype", (
-                f"weights: dtype mismatch for {meta.name!r}: sent {meta.dtype}, model {dtype}"
-            )
-        return None
-
-    def _destination(
-        self, name: str, checkpoint: bool
-    ) -> tuple[tuple[int, ...], bool, torch.dtype] | None:
-        """(shape, is floating, dtype) of where `name` is written; None if ignored.
-        Cached: a model's parameter names, shapes and dtypes never change."""
-        key = (checkpoint, name)
-        if key in self._destinations:
-            return self._destinations[key]
-        target = self._target(name, checkpoint)
-        if target is None:
-            found = None
-        else:
-            dest = target[1]
-            found = (tuple(dest.shape), dest.is_floating_point(), dest.dtype)
-            if not dest.numel():
-                return found  # maybe a sleeping placeholder (rounds refuse then): not cached
-        self._destinations[key] = found
-        return found
-
-    def _missing(self, staged: set[str], checkpoint: bool) -> list[str]:
-        if not checkpoint:
-            return sorted({n for n, _ in self.model.named_parameters()} - staged)
-        keys = set()
-        for name in staged:
-            target = self.model.checkpoint_view(name)
-            if target is not None:
-                keys.add(target[0])
-        return sorted(self.model.expected_checkpoint_keys() - keys)
-
-    def _check_complete(self, round_: Round) -> None:
-        missing = self._missing(set(round_.staged), round_.is_checkpoint_format)
-        if missing:
-            shown = ", ".join(missing[:3]) + (
-                f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            )
-            raise InvalidArgument(
-                None,  # the round as a whole, not one argument of the call
-                f"weights: the round does not cover every weight (missing weights for "
-                f"{shown}); nothing was applied",
-            )
+        return not self.targets.missing(set(staged), is_checkpoint_format)
 
     # -- apply ----------------------------------------------------------------------------
     def _pooled(self, meta: ParamMeta) -> torch.Tensor:
@@ -360,7 +338,11 @@ class WeightSync:
         """Every staged tensor was checked against its destination (name, shape, dtype
         kind), so the copies cannot fail on the data; no full backup is kept (it would
         double the cost of a sync). If a copy still fails, the model is declared
-        incomplete instead of being served half-written."""
+        incomplete instead of being served half-written. A round written into the double
+        buffer is committed by swapping it in."""
+        if round_.in_shadow and self.shadow is not None:
+            self.shadow.swap()
+            return
         try:
             if round_.is_checkpoint_format:
                 self.model.load_weights(round_.staged.items())
@@ -369,7 +351,7 @@ class WeightSync:
                 for name, tensor in round_.staged.items():
                     params[name].copy_(tensor)
             for name, delta in round_.deltas:
-                target = self._target(name, round_.is_checkpoint_format)
+                target = self.targets.target(name, round_.is_checkpoint_format)
                 if target is not None:
                     flat = target[1].view(-1)  # checkpoint views are contiguous row ranges
                     flat[delta.indices] = delta.values.to(flat.dtype)
@@ -381,6 +363,8 @@ class WeightSync:
             ) from e
 
     def _fail_transport(self, error: Exception) -> None:
+        if self.round is not None:
+            self._discard(self.round)
         self.round = None
         if self.transfer is not None:
             self.transfer.shutdown()

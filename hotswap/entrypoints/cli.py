@@ -35,6 +35,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="engine cores behind one server (requests balanced, control calls fanned out)",
     )
     group.add_argument(
+        "--data-parallel-backend",
+        default="mp",
+        choices=["mp", "ray"],
+        help="where the engine cores run: mp, child processes; ray, Ray actors (one "
+        "placement-group bundle each; pip install 'hotswap[ray]')",
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="Ray cluster for --data-parallel-backend ray ('auto', 'ray://host:10001'; "
+        "default: ray.init()'s, a new local one if none is running)",
+    )
+    group.add_argument(
         "--num-threads", type=int, default=None, help="torch threads per engine core"
     )
     group.add_argument("--seed", type=int, default=0)

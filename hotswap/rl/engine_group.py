@@ -18,13 +18,16 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.clients import (
     CommittedWeights,
     GroupCommittedWeights,
     PreparingWeightSyncClient,
     WeightSyncError,
 )
+from hotswap.weight_transfer.config import KV_POLICIES
 from hotswap.weight_transfer.engine import shift_rank_offset
+from hotswap.weight_transfer.trainer import commit_options
 
 
 class EngineGroupError(WeightSyncError):
@@ -92,10 +95,15 @@ class EngineGroup:
             raise EngineGroupError("update_weights", failed, self.names)
 
     def finish_weight_update(
-        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
+        self,
+        weight_version: str | None = None,
+        abort: bool = False,
+        digest: bool = False,
+        kv_policy: str | None = None,
     ) -> GroupCommittedWeights | None:
         """Two-phase commit (see the module docstring); returns every engine's answer, or
-        None for an abort. `digest=True` asks each engine for its weights' digest."""
+        None for an abort. `digest=True` asks each engine for its weights' digest;
+        `kv_policy` is the round's policy on every engine."""
         everyone = range(len(self.clients))
         if abort:
             self._abort(everyone)
@@ -104,18 +112,20 @@ class EngineGroup:
         if weight_version is not None and bad_label:
             self._abort(everyone)
             raise ValueError(f"weight_version: must be a non-empty string, got {weight_version!r}")
+        if kv_policy is not None and kv_policy not in KV_POLICIES:
+            self._abort(everyone)
+            raise InvalidArgument("kv_policy", f"kv_policy: must be one of "
+                                  f"{', '.join(KV_POLICIES)}, got {kv_policy!r}")  # fmt: skip
         failed = self._on_all("prepare_weight_update", lambda c, i: c.prepare_weight_update())
         if failed:
             self._abort(everyone)
             raise EngineGroupError("prepare_weight_update (nothing was committed)", failed,
                                    self.names)  # fmt: skip
         answers: dict[int, Any] = {}
+        options = commit_options(digest, kv_policy)  # only these: plain clients take none
 
         def commit(client: PreparingWeightSyncClient, i: int) -> None:
-            if digest:  # only then: a client of the plain protocol need not take the flag
-                answers[i] = client.finish_weight_update(weight_version, digest=True)  # type: ignore[call-arg]
-            else:
-                answers[i] = client.finish_weight_update(weight_version)
+            answers[i] = client.finish_weight_update(weight_version, **options)  # type: ignore[call-arg]
 
         failed = self._on_all("finish_weight_update", commit)
         if failed:  # not expected after prepare; say exactly where the commit landed

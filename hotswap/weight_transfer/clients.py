@@ -124,13 +124,19 @@ class HTTPWeightSyncClient:
         return int(self._get("/get_world_size")["world_size"])
 
     def finish_weight_update(
-        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
+        self,
+        weight_version: str | None = None,
+        abort: bool = False,
+        digest: bool = False,
+        kv_policy: str | None = None,
     ) -> CommittedWeights | None:
         body: dict[str, Any] = {"abort": abort}
         if weight_version is not None:
             body["weight_version"] = weight_version
         if digest:  # only when asked: an older server would refuse the unknown field
             body["digest"] = True
+        if kv_policy is not None:
+            body["kv_policy"] = kv_policy
         answer = self._post("/finish_weight_update", body)
         return None if abort else CommittedWeights.from_answer(answer)
 
@@ -183,9 +189,13 @@ class InProcessWeightSyncClient:
         self._run("prepare_weight_update")
 
     def finish_weight_update(
-        self, weight_version: str | None = None, abort: bool = False, digest: bool = False
+        self,
+        weight_version: str | None = None,
+        abort: bool = False,
+        digest: bool = False,
+        kv_policy: str | None = None,
     ) -> CommittedWeights | None:
-        answer = self._run("finish_weight_update", weight_version, abort, digest)
+        answer = self._run("finish_weight_update", weight_version, abort, digest, kv_policy)
         return None if abort else CommittedWeights.from_answer(answer)
 
     def get_world_size(self) -> int:

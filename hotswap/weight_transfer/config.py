@@ -67,6 +67,12 @@ class WeightTransferConfig:
     # "keep" their KV (tokens after the switch are marked stale) or "recompute" it under
     # the new weights before their next token.
     kv_policy: str = "keep"
+    # Keep a second copy of the weights that rounds are written into while steps read the
+    # live one; the commit swaps the two (a pointer swap per tensor instead of a copy of
+    # the model between two steps). Refused at start if the memory cannot hold the copy,
+    # unless `allow_copy_fallback` (then the commit copies, as without it).
+    double_buffer: bool = False
+    allow_copy_fallback: bool = False
 
     def __post_init__(self) -> None:
         timeout = self.round_timeout_s
@@ -78,7 +84,8 @@ class WeightTransferConfig:
             raise InvalidArgument(
                 "round_timeout_s", f"round_timeout_s: must be a positive number, got {timeout!r}"
             )
-        for flag in ("require_complete", "reuse_receive_buffers", "in_flight"):
+        for flag in ("require_complete", "reuse_receive_buffers", "in_flight", "double_buffer",
+                     "allow_copy_fallback"):  # fmt: skip
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidArgument(flag, f"{flag}: must be a boolean")
         if self.kv_policy not in KV_POLICIES:

@@ -48,22 +48,34 @@ class TrainerWeightTransferEngine(ABC):
         """Rank 0: the update call(s) and the data plane of one round."""
 
     def send_weights(
-        self, weight_version: str | None = None, *, digest: bool = False
+        self,
+        weight_version: str | None = None,
+        *,
+        digest: bool = False,
+        kv_policy: str | None = None,
     ) -> Committed | None:
         """One full round; returns what the engine committed: `CommittedWeights(version,
         label, digest)` (the digest only with `digest=True`: the engine then hashes its new
         weights, ~0.3 s for the default model), a `GroupCommittedWeights` for an
-        `EngineGroup`, None on ranks other than 0.
+        `EngineGroup`, None on ranks other than 0. `kv_policy` ("keep" or "recompute")
+        chooses, for this round, what requests running across the switch do with their KV
+        (default: the engine's configured policy).
         The source is checked against its metadata before anything is sent; if the round
         fails after start, it is aborted on the engine (best effort), which keeps serving
         its previous weights."""
         metas, tensors = checked_items(self.source)
         if not self.is_sender:
             return None
-        return self.run_round(lambda: self.send_round(metas, tensors), weight_version, digest)
+        return self.run_round(
+            lambda: self.send_round(metas, tensors), weight_version, digest, kv_policy
+        )
 
     def run_round(
-        self, move: Callable[[], None], weight_version: str | None, digest: bool = False
+        self,
+        move: Callable[[], None],
+        weight_version: str | None,
+        digest: bool = False,
+        kv_policy: str | None = None,
     ) -> Committed | None:
         """start -> `move` (the update calls and the data plane) -> finish; a round that
         fails after start is aborted on the engine (best effort). Returns the client's
@@ -75,12 +87,20 @@ class TrainerWeightTransferEngine(ABC):
             with contextlib.suppress(Exception):
                 self.client.finish_weight_update(abort=True)
             raise
-        if digest:  # only then: a client of the plain protocol need not take the flag
-            return self.client.finish_weight_update(weight_version, digest=True)  # type: ignore[call-arg]
-        return self.client.finish_weight_update(weight_version)
+        # Only the options asked for: a client of the plain protocol need not take them.
+        options = commit_options(digest, kv_policy)
+        return self.client.finish_weight_update(weight_version, **options)  # type: ignore[call-arg]
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release the channel."""
+
+
+def commit_options(digest: bool, kv_policy: str | None) -> dict[str, Any]:
+    """The commit's optional arguments that were asked for."""
+    options: dict[str, Any] = {"digest": True} if digest else {}
+    if kv_policy is not None:
+        options["kv_policy"] = kv_policy
+    return options
 
 
 # backend name -> its trainer engine class, filled by `register_trainer` as each backend

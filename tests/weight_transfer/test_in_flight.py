@@ -75,13 +75,19 @@ def test_generation_runs_while_a_round_is_open(v1_dir, v2_trainer) -> None:
             assert span.stale == (span.version == 1)  # KV kept across the switch
 
 
-@pytest.mark.parametrize("kv_policy", ["recompute", "keep"])
-def test_switch_mid_flight_without_a_pause(kv_policy, v1_dir, v2_dir, v2_trainer) -> None:
+@pytest.mark.parametrize(
+    "kv_policy,double_buffer", [("recompute", False), ("keep", False), ("recompute", True)]
+)
+def test_switch_mid_flight_without_a_pause(
+    kv_policy, double_buffer, v1_dir, v2_dir, v2_trainer
+) -> None:
     """8 greedy streams; once one has 10 tokens the trainer sends V2 with no pause. With
-    recompute, each continuation equals a fresh V2 engine fed prompt + tokens so far."""
+    recompute, each continuation equals a fresh V2 engine fed prompt + tokens so far
+    (also when the round is written into a double buffer and swapped in)."""
 
     async def run() -> tuple[list[CompletionOutput], list[list[int]]]:
-        config = {"backend": "gloo", "in_flight": True, "kv_policy": kv_policy}
+        config = {"backend": "gloo", "in_flight": True, "kv_policy": kv_policy,
+                  "double_buffer": double_buffer}  # fmt: skip
         llm = AsyncLLM(str(v1_dir), weight_transfer_config=config, **ENGINE)
         try:
             trainer = await _trainer(llm, v2_trainer)

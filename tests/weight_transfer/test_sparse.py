@@ -18,9 +18,10 @@ from hotswap.weight_transfer.base import ModuleSource
 from tests.weight_transfer.conftest import free_port
 
 
-def sparse_llm(path) -> LLM:  # noqa: ANN001
+def sparse_llm(path, double_buffer: bool = False) -> LLM:  # noqa: ANN001
     return LLM(str(path), dtype="float32", progress=False,
-               weight_transfer_config={"backend": "sparse"})  # fmt: skip
+               weight_transfer_config={"backend": "sparse",
+                                       "double_buffer": double_buffer})  # fmt: skip
 
 
 def trainer(llm: LLM):  # noqa: ANN201
@@ -30,7 +31,8 @@ def trainer(llm: LLM):  # noqa: ANN201
     return WeightTransferTrainerFactory.trainer_init(info, InProcessWeightSyncClient(llm), None)
 
 
-def test_patches_reach_the_same_weights_as_a_full_update(v1_dir, v1_trainer) -> None:
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_patches_reach_the_same_weights_as_a_full_update(double_buffer, v1_dir, v1_trainer) -> None:
     before = {name: tensor.clone() for name, tensor in ModuleSource(v1_trainer)}
     gen = torch.Generator().manual_seed(0)
     after = {}
@@ -41,7 +43,7 @@ def test_patches_reach_the_same_weights_as_a_full_update(v1_dir, v1_trainer) -> 
     sent = sum(p.indices.numel() for p in patches)
     total = sum(t.numel() for t in before.values())
     assert 0 < sent < 0.02 * total
-    llm = sparse_llm(v1_dir)
+    llm = sparse_llm(v1_dir, double_buffer)
     trainer(llm).send_patches(patches, "patched")
     assert llm.get_weight_info()["label"] == "patched"
     reference = sparse_llm(v1_dir)

@@ -1,0 +1,90 @@
+"""What a round may write into a model: where each sent tensor lands, whether its shape
+and dtype fit there, and whether a round covers every weight. Checked before a byte is
+received, so a refused chunk never touches the stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hotswap.errors import InvalidArgument
+from hotswap.weight_transfer.base import ParamMeta
+
+
+class WeightTargets:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        # (checkpoint format?, name) -> (shape, is floating, dtype) or None (ignored)
+        self._destinations: dict[tuple[bool, str], Any] = {}
+
+    def target(self, name: str, checkpoint: bool) -> tuple[str, torch.Tensor] | None:
+        if checkpoint:
+            return self.model.checkpoint_view(name)
+        params = self.model.parameter_index()
+        if name not in params:
+            raise ValueError(f"weights: unknown parameter {name!r} (engine format)")
+        return name, params[name].data
+
+    def check(self, meta: ParamMeta, checkpoint: bool) -> tuple[str, str] | None:
+        """None if the model can take `meta`'s tensor; else (what is wrong with it: name,
+        shape or dtype; why)."""
+        try:
+            expected = self.destination(meta.name, checkpoint)
+        except ValueError as e:
+            return "name", str(e)
+        if expected is None:
+            return None  # a name the model ignores (e.g. rotary inv_freq)
+        shape, floating, dtype = expected
+        if shape != meta.shape:
+            return "shape", (
+                f"weights: shape mismatch for {meta.name!r}: sent {list(meta.shape)}, "
+                f"model expects {list(shape)}"
+            )
+        if floating != meta.dtype.is_floating_point:
+            return "dtype", (
+                f"weights: dtype mismatch for {meta.name!r}: sent {meta.dtype}, model {dtype}"
+            )
+        return None
+
+    def destination(
+        self, name: str, checkpoint: bool
+    ) -> tuple[tuple[int, ...], bool, torch.dtype] | None:
+        """(shape, is floating, dtype) of where `name` is written; None if ignored.
+        Cached: a model's parameter names, shapes and dtypes never change."""
+        key = (checkpoint, name)
+        if key in self._destinations:
+            return self._destinations[key]
+        target = self.target(name, checkpoint)
+        if target is None:
+            found = None
+        else:
+            dest = target[1]
+            found = (tuple(dest.shape), dest.is_floating_point(), dest.dtype)
+            if not dest.numel():
+                return found  # maybe a sleeping placeholder (rounds refuse then): not cached
+        self._destinations[key] = found
+        return found
+
+    def missing(self, staged: set[str], checkpoint: bool) -> list[str]:
+        if not checkpoint:
+            return sorted({n for n, _ in self.model.named_parameters()} - staged)
+        keys = set()
+        for name in staged:
+            target = self.model.checkpoint_view(name)
+            if target is not None:
+                keys.add(target[0])
+        return sorted(self.model.expected_checkpoint_keys() - keys)
+
+    def check_complete(self, staged: set[str], checkpoint: bool) -> None:
+        missing = self.missing(staged, checkpoint)
+        if missing:
+            shown = ", ".join(missing[:3]) + (
+                f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            )
+            raise InvalidArgument(
+                None,  # the round as a whole, not one argument of the call
+                f"weights: the round does not cover every weight (missing weights for "
+                f"{shown}); nothing was applied",
+            )

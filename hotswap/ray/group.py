@@ -1,0 +1,159 @@
+"""The trainer's side of engine actors: `RayEngineClient` drives one `EngineActor` through
+the weight-sync client protocol, `RayEngineGroup` drives several with `EngineGroup`'s
+guarantees (phases fan out at once, broadcast ranks in order, prepare everywhere then
+commit, or abort everywhere). Both carry ObjectRefs, so the `ray` backend works through
+them; any other backend works too (gloo, nccl, ipc: the bytes take their own channel).
+
+A dead actor surfaces as `EngineActorDiedError` naming it; the group then aborts the round
+on every other engine, which keep serving their previous weights."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from hotswap.outputs import RequestOutput
+from hotswap.rl.engine_group import EngineGroup
+from hotswap.sampling_params import SamplingParams
+from hotswap.weight_transfer.clients import CommittedWeights, WeightSyncError
+
+
+class EngineActorDiedError(WeightSyncError):
+    """The engine actor `name` died (or could not be reached) during a call."""
+
+    def __init__(self, name: str, cause: BaseException) -> None:
+        super().__init__(f"engine actor {name!r} died: {_first_line(cause)}")
+        self.name = name
+
+
+class RayEngineClient:
+    """One engine actor as a weight-sync client (blocking calls, for trainer code)."""
+
+    accepts_object_refs = True  # the ray backend may pass ObjectRefs in update infos
+
+    def __init__(self, actor: ActorHandle, name: str | None = None,
+                 timeout_s: float | None = None) -> None:  # fmt: skip
+        self.actor = actor
+        self.name = name or _actor_name(actor)
+        self.timeout_s = timeout_s
+
+    def get(self, ref: Any) -> Any:
+        """`ray.get`, with the engine's own exception re-raised (InvalidArgument,
+        EngineStateError, ...) and a dead actor named."""
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except RayActorError as e:
+            raise EngineActorDiedError(self.name, e) from None
+        except GetTimeoutError as e:
+            raise WeightSyncError(f"engine actor {self.name!r}: no answer in "
+                                  f"{self.timeout_s} s") from e  # fmt: skip
+        except RayTaskError as e:
+            cause = e.cause
+            if isinstance(cause, Exception):
+                raise cause from None
+            raise
+
+    def call(self, verb: str, **arguments: Any) -> Any:
+        return self.get(self.actor.call.remote(verb, **arguments))
+
+    # -- the weight-sync client protocol ---------------------------------------------------
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.get(self.actor.init_weight_transfer_engine.remote(init_info))
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self.get(self.actor.start_weight_update.remote(is_checkpoint_format))
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.get(self.actor.update_weights.remote(update_info))
+
+    def prepare_weight_update(self) -> None:
+        self.get(self.actor.prepare_weight_update.remote())
+
+    def finish_weight_update(
+        self,
+        weight_version: str | None = None,
+        abort: bool = False,
+        digest: bool = False,
+        kv_policy: str | None = None,
+    ) -> CommittedWeights | None:
+        call = self.actor.finish_weight_update.remote(weight_version, abort, digest, kv_policy)
+        answer = self.get(call)
+        return None if abort else CommittedWeights.from_answer(answer)
+
+    def get_world_size(self) -> int:
+        return int(self.get(self.actor.get_world_size.remote()))
+
+    def weight_info(self) -> dict[str, Any]:
+        return self.get(self.actor.get_weight_info.remote())
+
+
+class RayEngineGroup(EngineGroup):
+    """`EngineGroup` over engine actors: give it to
+    `WeightTransferTrainerFactory.trainer_init(..., client=group)` and one `send_weights()`
+    updates every actor with a two-phase commit. Also fans generation and control out."""
+
+    accepts_object_refs = True
+
+    def __init__(
+        self,
+        actors: Sequence[ActorHandle],
+        world_sizes: Sequence[int] | None = None,
+        timeout_s: float | None = None,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        """`actors`: handles, or what `launch_engines` returned (its names are used);
+        `timeout_s` bounds each call to an actor (None: wait)."""
+        names = list(names or getattr(actors, "names", None) or [None] * len(actors))
+        clients = [RayEngineClient(a, n, timeout_s) for a, n in zip(actors, names)]
+        super().__init__(clients, world_sizes)
+        self.names = [c.name for c in self.clients]
+        self._calls = ThreadPoolExecutor(len(self.clients), "hotswap-ray-group-calls")
+
+    @property
+    def actors(self) -> list[ActorHandle]:
+        return [c.actor for c in self.clients]
+
+    def call(self, verb: str, **arguments: Any) -> list[Any]:
+        """A control verb on every engine at once (e.g. "pause" with mode="keep"); the
+        answers in engine order. The first failure is raised once all have answered."""
+        refs = [c.actor.call.remote(verb, **arguments) for c in self.clients]
+        futures = [self._calls.submit(c.get, ref) for c, ref in zip(self.clients, refs)]
+        return [f.result() for f in futures]
+
+    def generate(
+        self,
+        prompts: Sequence[Any],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Final outputs in prompt order; prompts are dealt out to the engines in turn and
+        each engine runs its share as one batch."""
+        shares: list[list[int]] = [list(range(i, len(prompts), len(self.clients)))
+                                   for i in range(len(self.clients))]  # fmt: skip
+        work = [
+            (c, share, c.actor.generate_many.remote([prompts[i] for i in share], sampling_params))
+            for c, share in zip(self.clients, shares)
+            if share
+        ]
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        for client, share, ref in work:
+            for index, output in zip(share, client.get(ref)):
+                outputs[index] = output
+        return outputs  # type: ignore[return-value]
+
+    def close(self) -> None:
+        super().close()
+        self._calls.shutdown(wait=False)
+
+
+def _actor_name(actor: ActorHandle) -> str:
+    return f"actor {actor._actor_id.hex()[:12]}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
