@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The capital of France is
 
-.PHONY: venv run generate test test-fast lint bench clean
+.PHONY: venv run generate test test-fast lint bench bench-peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ bench: venv
 	$(PY) benchmarks/pause_resume.py
 	$(PY) benchmarks/serve.py
 	$(PY) benchmarks/weight_sync.py
+
+# hotswap vs vLLM's CPU build, which lives in its own venv (.venv-vllm, created on first use).
+bench-peers: venv
+	$(PY) benchmarks/vs_vllm.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

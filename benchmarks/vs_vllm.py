@@ -109,7 +109,7 @@ def worker(args: argparse.Namespace) -> None:
     assert tokens == expected, f"{tokens} tokens, expected {expected}"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # vLLM's engine core
-    print(json.dumps({"tokens": tokens, "seconds": seconds, "ttft_s": ttft,
+    print("RESULT " + json.dumps({"tokens": tokens, "seconds": seconds, "ttft_s": ttft,
                       "peak_rss_mb": max(peak, children) / 1024}))  # fmt: skip
 
 
@@ -139,7 +139,12 @@ def measure(engine: str, python: Path, name: str, args: argparse.Namespace) -> d
                           timeout=args.timeout)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"{engine} {name} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:  # vLLM logs to stdout too: the result is the marked line
+        raise RuntimeError(
+            f"{engine} {name}: no result\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    result = json.loads(lines[-1].removeprefix("RESULT "))
     result["tok_s"] = result["tokens"] / result["seconds"]
     return result
 
