@@ -6,12 +6,14 @@ torchaudio and torchcodec are removed, as they break imports beside that torch).
 measurement runs in a fresh process of the engine's own environment, the engines
 alternate (the order flips each repeat) and each keeps its best of `--repeats`, on the
 same model directory (default: the built-in SmolLM2-135M-Instruct), dtype and token-id
-workloads (greedy, EOS ignored, so both produce exactly the requested tokens):
+workloads (greedy unless said otherwise, EOS ignored, so both produce exactly the requested
+tokens):
 
 - single: 1 request, 128 prompt / 128 output tokens;
 - mixed: 64 requests, prompts 16-512, outputs 16-256 (benchmarks/throughput.py's);
-- rl: 32 prompts of 64-256 tokens, n=8 samples each, outputs 32-512 (the prefix cache
-  shares each prompt among its samples);
+- rl: 32 prompts of 64-256 tokens, n=8 samples each at temperature 1 (RL rollouts are
+  sampled; vLLM refuses n > 1 when greedy), outputs 32-512 (the prefix cache shares each
+  prompt among its samples);
 - pause: 64 streaming completions over HTTP (`hotswap serve` / `vllm serve` with
   VLLM_SERVER_DEV_MODE=1, both answer `/pause?mode=keep` and `/resume`) while a client
   pauses and resumes every second.
@@ -54,8 +56,8 @@ def workload(name: str, seed: int = 0, vocab: int = 49152) -> list[dict]:
         return [{"prompt": ids(rng.randint(16, 512)), "max_tokens": rng.randint(16, 256), "n": 1}
                 for _ in range(64)]  # fmt: skip
     if name == "rl":
-        return [{"prompt": ids(rng.randint(64, 256)), "max_tokens": rng.randint(32, 512), "n": 8}
-                for _ in range(32)]  # fmt: skip
+        return [{"prompt": ids(rng.randint(64, 256)), "max_tokens": rng.randint(32, 512), "n": 8,
+                 "temperature": 1.0} for _ in range(32)]  # fmt: skip
     return [{"prompt": ids(rng.randint(16, 256)), "max_tokens": 128, "n": 1} for _ in range(64)]
 
 
@@ -66,7 +68,8 @@ def hotswap_engine(model: str, dtype: str):  # noqa: ANN201
     llm = LLM(model, dtype=dtype, progress=False)
 
     def generate(requests: list[dict], first_token_only: bool = False) -> int:
-        params = [SamplingParams(temperature=0.0, n=r["n"], ignore_eos=True,
+        params = [SamplingParams(temperature=r.get("temperature", 0.0), n=r["n"],
+                                 ignore_eos=True,
                                  max_tokens=1 if first_token_only else r["max_tokens"])
                   for r in requests]  # fmt: skip
         outs = llm.generate([r["prompt"] for r in requests], params, use_tqdm=False)
@@ -81,7 +84,8 @@ def vllm_engine(model: str, dtype: str):  # noqa: ANN201
     llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0)
 
     def generate(requests: list[dict], first_token_only: bool = False) -> int:
-        params = [SamplingParams(temperature=0.0, n=r["n"], ignore_eos=True,
+        params = [SamplingParams(temperature=r.get("temperature", 0.0), n=r["n"],
+                                 ignore_eos=True,
                                  max_tokens=1 if first_token_only else r["max_tokens"])
                   for r in requests]  # fmt: skip
         prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]

@@ -118,6 +118,10 @@ class EngineConfig:
     # vLLM's --worker-extension-cls: "module:Class" (or "module.Class"), whose public
     # methods collective_rpc may call; named at start, never by a request.
     worker_extension_cls: str | None = None
+    # vLLM's --enforce-eager: run the model eagerly instead of through torch.compile.
+    enforce_eager: bool = False
+    # hotswap's CPU kernels (paged decode attention, bf16 GEMV); off: torch operators only.
+    cpu_kernels: bool = True
 
 
 @dataclass
@@ -168,6 +172,11 @@ class EngineArgs:
     # A class whose public methods `collective_rpc` calls inside the engine core (vLLM's
     # --worker-extension-cls): "module:Class" or "module.Class".
     worker_extension_cls: str | None = None
+    # Run the model eagerly, never through torch.compile (vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    # hotswap's CPU kernels (built once per machine): paged decode attention reading the
+    # KV cache in place and a bf16 GEMV for single rows. False: torch operators only.
+    cpu_kernels: bool = True
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -202,6 +211,8 @@ class EngineArgs:
             logprobs_mode=check_logprobs_mode(self.logprobs_mode),
             allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
             worker_extension_cls=check_class_path(self.worker_extension_cls),
+            enforce_eager=bool(self.enforce_eager),
+            cpu_kernels=bool(self.cpu_kernels),
         )
 
     def _head_dtype(self) -> torch.dtype | None:

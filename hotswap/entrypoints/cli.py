@@ -87,6 +87,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="bitwise-identical logits whatever the batch (slower)",
     )
     group.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model eagerly, never through torch.compile (vLLM's flag)",
+    )
+    group.add_argument(
+        "--cpu-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hotswap's CPU kernels (paged decode attention, bf16 GEMV; built once per "
+        "machine); --no-cpu-kernels runs on torch operators only",
+    )
+    group.add_argument(
         "--weight-transfer-config",
         default=None,
         metavar="JSON",

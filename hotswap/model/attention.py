@@ -8,6 +8,7 @@ table holds. Backends share the metadata; a CUDA backend can replace the torch o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,15 +39,28 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """Every single-query sequence of a step, for a kernel that reads the cache in place."""
+
+    rows: slice  # their rows in the flattened batch (decode rows come first)
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [B] int64
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     sequences: list[SequenceSlice]  # multi-query sequences (prefill chunks)
     decode_sequences: list[SequenceSlice]
     decode_groups: list[DecodeGroup]
     block_size: int
+    decode_batch: DecodeBatch | None = None  # built only for PagedKernelAttention
 
 
 class AttentionBackend(Protocol):
+    # Whether the backend reads AttentionMetadata.decode_batch (else decode_groups).
+    reads_decode_batch: bool
+
     def forward(
         self,
         query: torch.Tensor,  # [tokens, heads, head_dim]
@@ -65,20 +79,44 @@ def build_metadata(
     slot_mapping: torch.Tensor,
     block_size: int,
     dtype: torch.dtype = torch.float32,
+    decode_batch: bool = False,
 ) -> AttentionMetadata:
     """Decode sequences listed in order of context length get contiguous rows per group,
     which saves a gather and a scatter of their queries per layer. Tensors are made on
-    the slot mapping's device."""
+    the slot mapping's device. `decode_batch`: describe the decode rows as one
+    `DecodeBatch` (for a paged kernel) instead of padded groups."""
     device = slot_mapping.device
-    sequences, decode = [], []
+    sequences, decode, decode_tables = [], [], []
     row = 0
     for num_queries, context_len, blocks in zip(query_lens, context_lens, block_tables):
+        if num_queries == 1 and decode_batch:
+            decode_tables.append(blocks)
         table = torch.tensor(blocks, dtype=torch.long, device=device)
         seq = SequenceSlice(row, num_queries, context_len, table)
         (decode if num_queries == 1 else sequences).append(seq)
         row += num_queries
+    if decode_batch:
+        batch = _decode_batch(decode, decode_tables, device) if decode else None
+        return AttentionMetadata(slot_mapping, sequences, decode, [], block_size, batch)
     groups = [_decode_group(g, block_size, dtype, device) for g in _group_by_length(decode)]
     return AttentionMetadata(slot_mapping, sequences, decode, groups, block_size)
+
+
+def _decode_batch(
+    decode: list[SequenceSlice], tables: list[list[int]], device: torch.device
+) -> DecodeBatch:
+    rows = [s.row_start for s in decode]
+    if rows != list(range(rows[0], rows[0] + len(rows))):
+        raise ValueError("attention: decode rows must be contiguous for a DecodeBatch")
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return DecodeBatch(
+        rows=slice(rows[0], rows[0] + len(rows)),
+        block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+        context_lens=torch.tensor(
+            [s.context_len for s in decode], dtype=torch.long, device=device
+        ),  # fmt: skip
+    )
 
 
 def _group_by_length(decode: list[SequenceSlice]) -> list[list[SequenceSlice]]:
@@ -137,6 +175,8 @@ def gather_context(cache: torch.Tensor, seq: SequenceSlice) -> torch.Tensor:
 class TorchPagedAttention:
     """Fast path: decode sequences in one padded SDPA call, the rest one call each."""
 
+    reads_decode_batch = False
+
     def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
         write_kv(key, value, kv_cache, meta.slot_mapping)
         out = torch.empty_like(query)
@@ -180,6 +220,35 @@ class TorchPagedAttention:
         return out[0].transpose(0, 1)
 
 
+class PagedKernelAttention(TorchPagedAttention):
+    """Decode rows through hotswap's paged kernel (`decode`), which reads each sequence's
+    keys and values where they lie in the cache; prefill chunks through SDPA as in the
+    torch path."""
+
+    reads_decode_batch = True
+
+    def __init__(self, decode: Callable[..., torch.Tensor]) -> None:
+        self.decode = decode  # torch.ops.hotswap_cpu.paged_decode_attention
+
+    def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
+        write_kv(key, value, kv_cache, meta.slot_mapping)
+        batch = meta.decode_batch
+        if batch is not None and not meta.sequences:  # a pure decode step: one call
+            return self._decode(query, kv_cache, batch, scale)
+        out = query.new_empty(query.shape)
+        if batch is not None:
+            out[batch.rows] = self._decode(query[batch.rows], kv_cache, batch, scale)
+        for seq in meta.sequences:
+            rows = slice(seq.row_start, seq.row_start + seq.num_queries)
+            out[rows] = self._sequence(query[rows], kv_cache, seq, scale)
+        return out
+
+    def _decode(self, query, kv_cache, batch: DecodeBatch, scale) -> torch.Tensor:  # noqa: ANN001
+        return self.decode(
+            query, kv_cache[0], kv_cache[1], batch.block_tables, batch.context_lens, scale
+        )
+
+
 # Batch-invariant attention: queries in tiles aligned to absolute positions, keys in
 # fixed-size chunks aligned to position 0, combined by an online softmax in chunk order.
 # Every matmul then has one fixed shape and a token always sits in the same tile row, so
@@ -190,6 +259,8 @@ KEY_CHUNK = 256
 
 
 class BatchInvariantAttention:
+    reads_decode_batch = False
+
     def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
         write_kv(key, value, kv_cache, meta.slot_mapping)
         out = torch.empty_like(query)

@@ -12,9 +12,11 @@ from hotswap.errors import InvalidArgument
 from hotswap.model.attention import (
     AttentionBackend,
     BatchInvariantAttention,
+    PagedKernelAttention,
     TorchPagedAttention,
     build_metadata,
 )
+from hotswap.model.kernels import CpuKernels
 from hotswap.model.loader import build_model
 from hotswap.model.residency import WeightResidency
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs, top_logprobs
@@ -56,13 +58,19 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
         self.block_size = config.cache.block_size
-        self.backend: AttentionBackend = (
-            BatchInvariantAttention() if config.batch_invariant else TorchPagedAttention()
-        )
         self.device = torch.device(config.device)
+        # Batch-invariant mode keeps its fixed-tile torch path: the kernels' results do not
+        # depend on the batch, but a token decoded would differ from the same token
+        # computed in a prefill chunk.
+        wants_kernels = (
+            config.cpu_kernels and not config.batch_invariant and self.device.type == "cpu"
+        )
+        self.kernels = CpuKernels.load(progress) if wants_kernels else None
+        self.backend = self._attention_backend()
         self.model = build_model(
             config.model, self.backend, config.batch_invariant, progress, self.device
         )
+        self.model.use_kernels(self.kernels)
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
@@ -72,6 +80,13 @@ class ModelRunner:
         rank_seed = (config.model.seed + 0x9E3779B1 * config.data_parallel_rank) % 2**32
         self.sampler = Sampler(rank_seed, config.logprobs_mode)
         self.residency = WeightResidency(self.model)
+
+    def _attention_backend(self) -> AttentionBackend:
+        if self.config.batch_invariant:
+            return BatchInvariantAttention()
+        if self.kernels is None:
+            return TorchPagedAttention()
+        return PagedKernelAttention(self.kernels.paged_decode_attention)
 
     # -- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -206,7 +221,15 @@ class ModelRunner:
             input_ids=ids(input_ids),
             positions=ids(positions),
             logits_rows=ids(logits_rows),
-            meta=build_metadata(query_lens, context_lens, tables, ids(slots), size, dtype),
+            meta=build_metadata(
+                query_lens,
+                context_lens,
+                tables,
+                ids(slots),
+                size,
+                dtype,
+                self.backend.reads_decode_batch,
+            ),  # fmt: skip
             prompt_rows=prompt_rows,
         )
 

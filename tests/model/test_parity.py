@@ -57,12 +57,19 @@ def run_engine(model_dir, prompts, max_new_tokens: int, **engine_args):  # noqa:
     return llm, outs, logits
 
 
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch-ops"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_tiny_model_matches_transformers(tiny_model_factory, arch: str) -> None:
+def test_tiny_model_matches_transformers(tiny_model_factory, arch: str, cpu_kernels: bool) -> None:
     model_dir = tiny_model_factory(arch)
     llm, outs, logits = run_engine(
-        model_dir, PROMPTS, max_new_tokens=24, block_size=8, max_num_batched_tokens=32
+        model_dir,
+        PROMPTS,
+        max_new_tokens=24,
+        block_size=8,
+        max_num_batched_tokens=32,
+        cpu_kernels=cpu_kernels,
     )
+    assert (llm.engine.runner.kernels is not None) == cpu_kernels
     ref_tokens, ref_logits = hf_reference(model_dir, [o.prompt_token_ids for o in outs], 24)
     for out, expected, ours, theirs in zip(outs, ref_tokens, logits, ref_logits):
         assert out.outputs[0].token_ids == expected, out.prompt

@@ -15,15 +15,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.model.attention import AttentionBackend, AttentionMetadata
+from hotswap.model.kernels import CpuKernels
 from hotswap.model.layers import (
     Linear,
+    MatVec,
     RMSNorm,
     RopeTable,
     RotaryEmbedding,
     apply_rotary,
+    linear,
     rope_parameters,
     silu_and_mul,
     tiled_linear,
+    use_kernels,
 )
 
 
@@ -110,6 +114,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = spec.head_dim**-0.5
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kernels: CpuKernels | None = None  # RoPE in place when set
 
     def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -121,7 +126,11 @@ class Attention(nn.Module):
             q, k = qk.split([heads, kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k rotate together: one set of elementwise ops instead of two.
-        q, k = apply_rotary(qk, rope).split([heads, kv_heads], dim=1)
+        if self.kernels is not None:
+            self.kernels.rotary_embedding(qk, *rope)  # in place: qkv is this step's own
+        else:
+            qk = apply_rotary(qk, rope)
+        q, k = qk.split([heads, kv_heads], dim=1)
         if self.kv_cache is None:
             raise RuntimeError("attention: the KV cache was not bound to the model")
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
@@ -149,9 +158,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.mlp = MLP(spec, dtype, invariant)
 
-    def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        rope: RopeTable,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream): the caller adds the two, fused into the next
+        norm (the first layer gets residual None: x is the stream)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h, meta), residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -183,9 +204,10 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens).to(self.dtype)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(rope, x, meta)
-        return self.norm(x)
+            x, residual = layer(rope, x, residual, meta)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
 
 
 # checkpoint projection name -> (fused parameter name, shard index)
@@ -219,6 +241,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.spec = spec
         self.batch_invariant = batch_invariant
+        self.matvec: MatVec | None = None
         head_dtype = head_dtype or dtype
         self.model = DecoderModel(spec, dtype, backend, batch_invariant, head_dtype)
         if not spec.tie_word_embeddings:
@@ -238,7 +261,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return tiled_linear(hidden, self.lm_head_weight, None).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.matvec).float()
+
+    def use_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run single-row products (every linear layer and the LM head), norms and RoPE
+        through hotswap's CPU kernels, or torch operators (None)."""
+        use_kernels(self, kernels)
+        self.matvec = kernels.gemv if kernels is not None else None
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, cache in zip(self.model.layers, caches, strict=True):

@@ -1,0 +1,119 @@
+"""Builds hotswap's CPU kernels (`csrc/`) once per machine and loads them.
+
+The library is compiled for the instruction set this CPU has, with the C++ compiler torch
+itself uses for JIT extensions, into `~/.cache/hotswap/kernels/<name>`, where the name
+hashes the source, the flags and the torch version: a later process (or a data-parallel
+rank) loads the cached library in milliseconds, and a change to any of them builds anew.
+Concurrent builders wait on torch's lock in that directory. If no compiler is available or
+the build fails, `load_cpu_kernels` says why once and returns None, and the engine runs on
+torch's own operators instead (same results up to float rounding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hotswap.default_model import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).with_name("csrc")
+_LOCK = threading.Lock()
+_loaded: dict[str, bool] = {}  # library name -> loaded (False: its build failed)
+
+
+def isa_flags() -> list[str]:
+    """Compiler flags for the vector extensions this CPU and torch agree on. at::vec picks
+    its implementation from CPU_CAPABILITY, as in torch's own kernels."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512"):
+        flags = ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
+        if torch.cpu._is_avx512_bf16_supported():
+            flags.append("-mavx512bf16")
+        return [*flags, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if capability == "AVX2":
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"]
+
+
+def library_name(flags: list[str]) -> str:
+    digest = hashlib.blake2b(digest_size=8)
+    for path in sorted(SOURCES.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join(flags).encode() + torch.__version__.encode())
+    return f"hotswap_cpu_{digest.hexdigest()}"
+
+
+def load_cpu_kernels(progress: bool = True) -> bool:
+    """Build (first time on this machine) and load the kernels into this process; their ops
+    are then `torch.ops.hotswap_cpu.*`. False if they cannot be built here."""
+    # No FMA contraction: the elementwise kernels round as torch's separate operators do.
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags()]
+    name = library_name(flags)
+    with _LOCK:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name, flags, progress)
+        return _loaded[name]
+
+
+def _build_and_load(name: str, flags: list[str], progress: bool) -> bool:
+    if hasattr(torch.ops.hotswap_cpu, "gemv"):  # another build of this process loaded
+        return True
+    from torch.utils import cpp_extension
+
+    directory = cache_root() / "kernels" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    cached = any(directory.glob(f"{name}*.so"))
+    bar = tqdm(total=1, desc="Building hotswap CPU kernels (once per machine)",
+               disable=not progress or cached, leave=False)  # fmt: skip
+    try:
+        sources = [str(path) for path in sorted(SOURCES.glob("*.cpp"))]
+        cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           build_directory=str(directory), is_python_module=False,
+                           verbose=False)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: fall back
+        logger.warning("hotswap CPU kernels could not be built (%s); using torch operators "
+                       "instead", _first_error(e))  # fmt: skip
+        return False
+    finally:
+        bar.update(1)
+        bar.close()
+    _register_fakes()
+    return True
+
+
+def _first_error(e: Exception) -> str:
+    """The compiler's first error line if there is one, else the exception's last line."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and "ninja" not in line]
+    return (errors or lines or [type(e).__name__])[0 if errors else -1][:300]
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing (the ops themselves are opaque to it)."""
+
+    @torch.library.register_fake("hotswap_cpu::paged_decode_attention")
+    def _(query, key_cache, value_cache, block_tables, context_lens, scale):  # noqa: ANN001, ANN202
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("hotswap_cpu::gemv")
+    def _(input, weight):  # noqa: ANN001, ANN202, A002
+        return input.new_empty(input.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("hotswap_cpu::rms_norm")
+    def _(input, weight, eps):  # noqa: ANN001, ANN202, A002
+        return input.new_empty(input.shape, dtype=weight.dtype)
+
+    @torch.library.register_fake("hotswap_cpu::add_rms_norm")
+    def _(input, residual, weight, eps):  # noqa: ANN001, ANN202, A002
+        return input.new_empty(input.shape, dtype=weight.dtype)
+
+    @torch.library.register_fake("hotswap_cpu::rotary_embedding")
+    def _(qk, cos, sin):  # noqa: ANN001, ANN202
+        return None

@@ -1,0 +1,58 @@
+// Shared by hotswap's CPU kernels: vector helpers over at::vec (AVX-512, AVX2 or portable,
+// chosen at build time through CPU_CAPABILITY) and the ops' declarations.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace hotswap {
+
+using at::vec::Vectorized;
+using FVec = Vectorized<float>;
+constexpr int64_t kLanes = FVec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#define HOTSWAP_DISPATCH(TYPE, NAME, ...)                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)            \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
+// 2 * kLanes elements of T as two float vectors.
+template <typename T>
+inline std::pair<FVec, FVec> load_pair(const T* p) {
+  auto [lo, hi] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p));
+  return {lo, hi};
+}
+template <>
+inline std::pair<FVec, FVec> load_pair<float>(const float* p) {
+  return {FVec::loadu(p), FVec::loadu(p + kLanes)};
+}
+
+inline float reduce_sum(FVec v) {
+  return at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, v);
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale);
+at::Tensor gemv(const at::Tensor& input, const at::Tensor& weight);
+at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace hotswap

@@ -1,0 +1,35 @@
+// hotswap's CPU kernels, registered as torch ops (torch.ops.hotswap_cpu.*):
+//
+//   paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+//       one query token per sequence attends to its context read in place from the paged
+//       cache (no gather into a copy); online softmax over the blocks in order.
+//   gemv(input, weight)
+//       input [M, K] @ weight[N, K]^T for the few rows of a decode step: the weights are
+//       streamed once, which is all a matrix-vector product can do.
+//   rms_norm(input, weight, eps), add_rms_norm(input, residual!, weight, eps)
+//       RMSNorm, after `residual += input` in the fused form (vLLM's fused_add_rms_norm).
+//   rotary_embedding(qk!, cos, sin)
+//       rotate-half RoPE in place.
+//
+// Built at run time by hotswap/model/kernels/build.py for this machine's instruction set
+// (AVX-512 with BF16 dot products where present; at::vec's portable vectors otherwise).
+// Sums accumulate in float32. Every kernel is deterministic, and a row's result does not
+// depend on the other rows of the batch.
+#include "common.h"
+
+TORCH_LIBRARY(hotswap_cpu, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("gemv(Tensor input, Tensor weight) -> Tensor");
+  m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &hotswap::paged_decode_attention);
+  m.impl("gemv", &hotswap::gemv);
+  m.impl("rms_norm", &hotswap::rms_norm);
+  m.impl("add_rms_norm", &hotswap::add_rms_norm);
+  m.impl("rotary_embedding", &hotswap::rotary_embedding);
+}

@@ -1,0 +1,200 @@
+"""hotswap's CPU kernels against independent references: paged decode attention against
+float64 softmax attention over each sequence's gathered context, GEMV against a float64
+matrix product. Both the AVX-512 BF16 path (bf16, head size 64/128, blocks of 16) and the
+portable path (other dtypes and shapes) are covered where this CPU has them."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from hotswap.model.kernels import load_cpu_kernels
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the engine runs on torch operators here",
+)
+
+
+@pytest.fixture(scope="module")
+def ops():  # noqa: ANN201
+    # With a compiler present the build must succeed: a silent fallback would hide a
+    # broken kernel behind the torch path.
+    assert load_cpu_kernels(progress=False)
+    return torch.ops.hotswap_cpu
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale) -> torch.Tensor:  # noqa: ANN001
+    """float64 attention of each sequence's one query over its first `lens[b]` slots."""
+    outs = []
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    for b in range(q.shape[0]):
+        length = int(lens[b])
+        keys = k_cache[tables[b]].flatten(0, 1)[:length].double()  # [L, kv_heads, D]
+        values = v_cache[tables[b]].flatten(0, 1)[:length].double()
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)  # [L, H, D]
+        values = values.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[b].double(), keys) * scale
+        outs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values))
+    return torch.stack(outs)
+
+
+def random_batch(heads, kv_heads, dim, block_size, lens, dtype, seed=0):  # noqa: ANN001, ANN201
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = 4 * len(lens) * max_blocks
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, generator=generator).to(dtype)
+    v_cache = torch.randn(shape, generator=generator).to(dtype)
+    tables = torch.randperm(num_blocks, generator=generator)[: len(lens) * max_blocks]
+    q = torch.randn(len(lens), heads, dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, tables.view(len(lens), max_blocks), torch.tensor(lens)
+
+
+SHAPES = [  # heads, kv_heads, head dim, block size
+    (9, 3, 64, 16),  # SmolLM2: the bf16 fast path
+    (16, 8, 128, 16),  # Qwen3-0.6B
+    (8, 1, 64, 32),  # multi-query, larger blocks
+    (4, 4, 80, 8),  # portable path: head size and block size the fast path does not take
+    (12, 4, 16, 8),  # the tiny test models
+]
+LENS = [1, 15, 16, 17, 64, 150]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_paged_decode_attention_matches_reference(ops, dtype, shape) -> None:  # noqa: ANN001
+    heads, kv_heads, dim, block_size = shape
+    q, k, v, tables, lens = random_batch(heads, kv_heads, dim, block_size, LENS, dtype)
+    scale = dim**-0.5
+    out = ops.paged_decode_attention(q, k, v, tables, lens, scale)
+    expected = reference_decode(q, k, v, tables, lens, scale)
+    # bf16: inputs are exact in float64; the output is rounded to bf16 (2^-8 relative)
+    atol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sequence_gets_the_same_bits_alone_or_in_a_batch(ops, dtype) -> None:  # noqa: ANN001
+    # Small batches split work by kv head, large ones by sequence; neither may change a
+    # sequence's result.
+    lens = [37 + 13 * i for i in range(40)]
+    q, k, v, tables, lens_t = random_batch(9, 3, 64, 16, lens, dtype)
+    together = ops.paged_decode_attention(q, k, v, tables, lens_t, 0.125)
+    for b in (0, 17, 39):
+        alone = ops.paged_decode_attention(q[b : b + 1], k, v, tables[b : b + 1],
+                                           lens_t[b : b + 1], 0.125)  # fmt: skip
+        assert torch.equal(alone[0], together[b])
+
+
+def test_query_rows_may_be_strided(ops) -> None:  # noqa: ANN001
+    # The engine passes q as a view into the fused q/k projection output.
+    q, k, v, tables, lens = random_batch(9, 3, 64, 16, [5, 40], torch.bfloat16)
+    fused = torch.cat([q, torch.zeros(2, 3, 64, dtype=q.dtype)], dim=1)
+    view = fused[:, :9]
+    assert not view.is_contiguous()
+    out = ops.paged_decode_attention(view, k, v, tables, lens, 0.125)
+    assert torch.equal(out, ops.paged_decode_attention(q, k, v, tables, lens, 0.125))
+
+
+def test_bad_tables_are_refused_not_read(ops) -> None:  # noqa: ANN001
+    q, k, v, tables, lens = random_batch(9, 3, 64, 16, [20, 20], torch.bfloat16)
+    bad = tables.clone()
+    bad[1, 1] = k.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        ops.paged_decode_attention(q, k, v, bad, lens, 0.125)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.paged_decode_attention(q, k, v, tables, torch.tensor([20, 10_000]), 0.125)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.paged_decode_attention(q, k, v, tables, torch.tensor([0, 20]), 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (1, 49, 33), (1, 7, 1536), (3, 130, 64)])
+def test_gemv_matches_reference(ops, dtype, m, n, k) -> None:  # noqa: ANN001
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(m, k, generator=generator).to(dtype)
+    w = torch.randn(n, k, generator=generator).to(dtype)
+    expected = x.double() @ w.double().t()
+    out = ops.gemv(x, w)
+    assert out.dtype == dtype and out.shape == (m, n)
+    # float32 sums of exact products; the output rounded to the dtype
+    rtol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), expected, atol=1e-4 * k**0.5, rtol=rtol)
+
+
+def test_gemv_refuses_mismatched_shapes(ops) -> None:  # noqa: ANN001
+    with pytest.raises(RuntimeError, match="input \\[M, K\\] and weight \\[N, K\\]"):
+        ops.gemv(torch.zeros(1, 8), torch.zeros(4, 9))
+
+
+def test_engine_decode_through_the_kernels_matches_prefill_scores(ops, tiny_model_factory) -> None:  # noqa: ANN001
+    """bf16, head size 64, blocks of 16: the fast paths. Each greedy token's logprob as
+    decoded (paged kernel + GEMV, one token per step) equals, within bf16 rounding, its
+    logprob when the whole sequence is scored at once by torch's SDPA and GEMM path."""
+    from hotswap import LLM, SamplingParams
+
+    model_dir = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=512)  # fmt: skip
+    prompts = [[5 + i, 17, 99, 23 + 3 * i, 7] * (2 + i) for i in range(4)]
+    fast = LLM(str(model_dir), dtype="bfloat16", block_size=16, progress=False)
+    assert fast.engine.runner.kernels
+    decoded = fast.generate(prompts, SamplingParams(temperature=0, max_tokens=20, logprobs=0,
+                                                    ignore_eos=True), use_tqdm=False)  # fmt: skip
+    torch_path = LLM(str(model_dir), dtype="bfloat16", block_size=16, cpu_kernels=False,
+                     progress=False)  # fmt: skip
+    assert not torch_path.engine.runner.kernels
+    for out in decoded:
+        tokens = out.outputs[0].token_ids
+        scored = torch_path.generate(
+            [out.prompt_token_ids + tokens],
+            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False,
+        )[0].prompt_logprobs[len(out.prompt_token_ids):]  # fmt: skip
+        for token, step, reference in zip(tokens, out.outputs[0].logprobs, scored):
+            assert abs(step[token].logprob - reference[token].logprob) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_rounds_as_the_torch_path(ops, dtype) -> None:  # noqa: ANN001
+    from hotswap.model.layers import RotaryEmbedding, apply_rotary
+
+    rope = RotaryEmbedding(64, 512, {"rope_theta": 10000.0, "rope_type": "default"})
+    cos, sin = rope(torch.tensor([0, 3, 77, 511, 5]), dtype)
+    fused = torch.randn(5, 16, 64).to(dtype)  # q/k heads inside a wider projection output
+    qk = fused[:, :12]
+    expected = apply_rotary(qk, (cos, sin))
+    ops.rotary_embedding(qk, cos, sin)
+    assert torch.equal(qk, expected)
+    assert torch.equal(fused[:, 12:], fused[:, 12:].clone())  # untouched beyond the view
+
+
+@pytest.mark.parametrize("weight_dtype", [None, torch.float32], ids=["same", "fp32-weight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_torch_path(ops, dtype, weight_dtype) -> None:  # noqa: ANN001
+    from hotswap.model.layers import RMSNorm
+
+    norm = RMSNorm(576, 1e-5, weight_dtype or dtype)
+    norm.weight.data.copy_(torch.rand(576) + 0.5)
+    x = (torch.randn(9, 576) * 3).to(dtype)
+    residual = torch.randn(9, 576).to(dtype)
+    expected = norm(x)
+    expected_sum = residual + x
+    expected_fused = norm(expected_sum)
+    out = ops.rms_norm(x, norm.weight, norm.eps)
+    fused = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(residual, expected_sum)  # the stream updated in place, rounded alike
+    # Only the float32 sum of squares is added up in another order, which may move the
+    # scale by a float32 ulp: both are as close to float64 arithmetic (a few ulps of the
+    # output dtype), and in bf16 they mostly agree bit for bit.
+    weight = norm.weight.double()
+    for got, want, source in ((out, expected, x), (fused, expected_fused, expected_sum)):
+        assert got.dtype == want.dtype
+        s64 = source.double()
+        exact = weight * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + norm.eps)
+        bound = 4 * torch.finfo(want.dtype).eps * exact.abs()
+        assert ((got.double() - exact).abs() <= bound).all()
+        assert ((want.double() - exact).abs() <= bound).all()
+        if want.dtype == torch.bfloat16:
+            assert (got == want).float().mean() > 0.95
