@@ -122,6 +122,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # hotswap's CPU kernels (paged decode attention, bf16 GEMV); off: torch operators only.
     cpu_kernels: bool = True
+    # oneDNN-packed copies of the bf16 linear weights for batches above the GEMV's rows.
+    prepack_weights: bool = True
 
 
 @dataclass
@@ -177,6 +179,10 @@ class EngineArgs:
     # hotswap's CPU kernels (built once per machine): paged decode attention reading the
     # KV cache in place and a bf16 GEMV for single rows. False: torch operators only.
     cpu_kernels: bool = True
+    # With the CPU kernels: a oneDNN-packed copy of the bf16 linear weights for batches of
+    # more than 8 rows (15-25% faster GEMMs; one more copy of those weights in memory,
+    # remade in the first step after each weight commit, ~0.1 s for the default model).
+    prepack_weights: bool = True
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -213,6 +219,7 @@ class EngineArgs:
             worker_extension_cls=check_class_path(self.worker_extension_cls),
             enforce_eager=bool(self.enforce_eager),
             cpu_kernels=bool(self.cpu_kernels),
+            prepack_weights=bool(self.prepack_weights),
         )
 
     def _head_dtype(self) -> torch.dtype | None:

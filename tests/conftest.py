@@ -25,3 +25,12 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built() -> None:
+    """Build hotswap's CPU kernels once, before any test starts an engine: inside a server
+    subprocess the first build (~30 s) would count against the test's start-up wait."""
+    from hotswap.model.kernels import load_cpu_kernels
+
+    load_cpu_kernels(progress=False)

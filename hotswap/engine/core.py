@@ -191,6 +191,7 @@ class EngineCore:
         self.scheduler.set_pause_state(PauseState.PAUSED_ALL)
         if level >= 1:
             self.runner.free_kv_cache()
+            self.runner.weights_changed()  # packed copies go to sleep with the weights
             if level == 2:
                 self.runner.residency.discard()
             else:
@@ -205,8 +206,10 @@ class EngineCore:
         state = self.sleep_state
         order = state.wake_order(tags)
         for tag in order:
-            if tag == WEIGHTS and not self.runner.residency.restore():
-                state.weights_missing = True
+            if tag == WEIGHTS:
+                self.runner.weights_changed()
+                if not self.runner.residency.restore():
+                    state.weights_missing = True
             elif tag == KV_CACHE:
                 self.runner.restore_kv_cache()
             state.asleep.discard(tag)
@@ -316,6 +319,9 @@ class EngineCore:
         self.weight_version += 1
         self.weight_label = label
         self.scheduler.kv.weight_version = self.weight_version
+        # Every path that writes weights commits through here (or says so itself below);
+        # derived copies of the weights are remade from the new ones.
+        self.runner.weights_changed()
         return self._abort_lagging_requests()
 
     def get_weight_version(self) -> dict[str, int | str]:
@@ -326,7 +332,10 @@ class EngineCore:
         if self.worker_extension is None:
             raise InvalidArgument("method", "method: collective_rpc needs a worker extension: "
                                   "start the engine with --worker-extension-cls")  # fmt: skip
-        return self.worker_extension.call(method, args, kwargs)
+        try:
+            return self.worker_extension.call(method, args, kwargs)
+        finally:
+            self.runner.weights_changed()  # the method may have written weights
 
     def set_weight_label(self, label: str) -> dict[str, int | str]:
         """Rename the current weights; the version (and so provenance order) is unchanged."""

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from hotswap.errors import InvalidArgument
+from hotswap.model.packed import available_bytes
 from hotswap.weight_transfer.base import ParamMeta
 
 logger = logging.getLogger(__name__)
@@ -35,21 +36,6 @@ HEADROOM = 0.9  # of the available memory a second copy may take
 
 def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
-
-
-def available_bytes(device: torch.device) -> int:
-    """Memory a new allocation can take on `device` (CUDA: free device memory; CPU: the
-    kernel's MemAvailable)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62  # unknown: do not refuse
 
 
 def fits(model: nn.Module, device: torch.device, allow_fallback: bool) -> bool:

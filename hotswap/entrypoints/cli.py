@@ -99,6 +99,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "machine); --no-cpu-kernels runs on torch operators only",
     )
     group.add_argument(
+        "--prepack-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with the CPU kernels, keep a oneDNN-packed copy of the bf16 linear weights "
+        "for larger batches (faster GEMMs; one more copy of them in memory)",
+    )
+    group.add_argument(
         "--weight-transfer-config",
         default=None,
         metavar="JSON",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +19,12 @@ from hotswap.model.attention import (
 )
 from hotswap.model.kernels import CpuKernels
 from hotswap.model.loader import build_model
+from hotswap.model.packed import PackedWeight, available_bytes, can_pack
 from hotswap.model.residency import WeightResidency
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs, top_logprobs
 from hotswap.model.step import ScheduledChunk, StepPlan, StepRequest
+
+logger = logging.getLogger(__name__)
 
 # Prompt-logprob rows go through the LM head this many at a time (a row of fp32 logits is
 # vocab * 4 bytes: 200 KB for a 49k vocabulary).
@@ -71,6 +75,7 @@ class ModelRunner:
             config.model, self.backend, config.batch_invariant, progress, self.device
         )
         self.model.use_kernels(self.kernels)
+        self.packed: list[PackedWeight] = self._prepack() if config.prepack_weights else []
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
@@ -80,6 +85,25 @@ class ModelRunner:
         rank_seed = (config.model.seed + 0x9E3779B1 * config.data_parallel_rank) % 2**32
         self.sampler = Sampler(rank_seed, config.logprobs_mode)
         self.residency = WeightResidency(self.model)
+
+    def _prepack(self) -> list[PackedWeight]:
+        """Packed copies of the bf16 linear weights, if the fast CPU path runs and one
+        more copy of them fits in memory (half of what is available, at most)."""
+        if self.kernels is None or not can_pack():
+            return []
+        holders = self.model.prepack()
+        need = sum(p.numel() * 2 for p in self.model.parameters() if p.dtype == torch.bfloat16)
+        if holders and need > available_bytes(self.device) // 2:
+            logger.warning("prepack_weights: a packed copy of the weights (%.2f GiB) does not "
+                           "fit in memory; GEMMs use the plain weights", need / 2**30)  # fmt: skip
+            self.model.unpack()
+            return []
+        return holders
+
+    def weights_changed(self) -> None:
+        """Drop every packed copy: the weights were (or may have been) written."""
+        for holder in self.packed:
+            holder.invalidate()
 
     def _attention_backend(self) -> AttentionBackend:
         if self.config.batch_invariant:

@@ -29,6 +29,7 @@ from hotswap.model.layers import (
     tiled_linear,
     use_kernels,
 )
+from hotswap.model.packed import PackedWeight
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,7 @@ class LlamaForCausalLM(nn.Module):
         self.spec = spec
         self.batch_invariant = batch_invariant
         self.matvec: MatVec | None = None
+        self.head_packed: PackedWeight | None = None
         head_dtype = head_dtype or dtype
         self.model = DecoderModel(spec, dtype, backend, batch_invariant, head_dtype)
         if not spec.tie_word_embeddings:
@@ -261,13 +263,32 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
             return tiled_linear(hidden, self.lm_head_weight, None).float()
-        return linear(hidden, self.lm_head_weight, None, self.matvec).float()
+        return linear(hidden, self.lm_head_weight, None, self.matvec, self.head_packed).float()
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
         """Run single-row products (every linear layer and the LM head), norms and RoPE
         through hotswap's CPU kernels, or torch operators (None)."""
         use_kernels(self, kernels)
         self.matvec = kernels.gemv if kernels is not None else None
+
+    def prepack(self) -> list[PackedWeight]:
+        """Give every bf16 linear layer and the LM head a packed copy (made on first use);
+        returns them, for the runner to invalidate when the weights change."""
+        holders = []
+        for module in self.modules():
+            if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
+                module.packed = PackedWeight()
+                holders.append(module.packed)
+        if self.lm_head_weight.dtype == torch.bfloat16:
+            self.head_packed = PackedWeight()
+            holders.append(self.head_packed)
+        return holders
+
+    def unpack(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = None
+        self.head_packed = None
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, cache in zip(self.model.layers, caches, strict=True):

@@ -1258,20 +1258,35 @@ class TestSleepWakeRFC:
         assert resume(url) == 200
 
     def test_pause_mode_keep_resumes_frozen_request(self, url):
-        """max_tokens 256 with ignore_eos (vLLM: 16): the tiny CPU model would finish 16
-        tokens before the 0.3 s wait is over, and the request must be frozen mid-way."""
+        """max_tokens 256 with ignore_eos (vLLM: 16), streamed, and paused once its first
+        tokens arrive (vLLM waits 0.3 s, which the CPU kernels outrun on the tiny model):
+        the request must be frozen mid-way, then finish after resume."""
         body = {"model": "m", "prompt": "The capital of France is", "max_tokens": 256,
-                "temperature": 0, "ignore_eos": True}  # fmt: skip
-        t, result = in_thread(
-            lambda: HTTP.post(f"{url}/v1/completions", json=body, timeout=60).json()
-        )
-        time.sleep(0.3)
+                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        texts: list[str] = []
+        finish: list[str] = []
+        started = threading.Event()
+
+        def consume() -> None:
+            with HTTP.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        choice = json.loads(line[6:])["choices"][0]
+                        texts.append(choice["text"])
+                        finish.append(choice.get("finish_reason"))
+                        started.set()
+
+        t = threading.Thread(target=consume)
+        t.start()
+        assert started.wait(30)
         assert pause(url, mode="keep") == 200
+        time.sleep(0.1)  # chunks already on the wire land
+        frozen = len(texts)
         time.sleep(HELD_S)  # vLLM: 1 s
-        assert not ok(result.get("resp")), "request completed before resume in mode=keep"
+        assert len(texts) == frozen and not any(finish), "request progressed while paused"
         assert resume(url) == 200
         t.join(timeout=30)
-        assert ok(result.get("resp"))
+        assert finish[-1] == "length" and len(texts) > frozen
 
     def test_get_world_size(self, url):
         r = HTTP.get(f"{url}/get_world_size", timeout=5)

@@ -92,10 +92,12 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x44), _mm512_shuffle_ps(z0, z1, 0xEE));
 }
 constexpr int kSlot[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
-constexpr int64_t kPrefetchAhead = 32;  // positions: two chunks ahead of the one computed
+constexpr int64_t kPrefetchAhead = 16;  // positions: the next chunk, into L2 (measured best)
+#define kPrefetchHint _MM_HINT_T1
 
 // bf16 fast path: scores as BF16 dot products (exact products, float32 sums), sixteen
-// positions at a time; values accumulated in float32. A task owns a sequence's kv heads
+// positions at a time; values weighted by the bf16-rounded probabilities, also as BF16
+// dot products with float32 sums. A task owns a sequence's kv heads
 // `heads` at a time, so with all of them it reads each position's row of every head in
 // one pass, front to back, and prefetches the next sixteen positions (the hardware
 // prefetcher cannot follow the block table).
@@ -109,8 +111,8 @@ struct DecodeTask {
   at::BFloat16* out;
   int64_t H, KVH, G, bs, max_blocks, q_stride;
 
-  void run(int64_t b, int64_t h0, int64_t heads, float* acc, float* probs, float* row_max,
-           float* row_sum, float* values) const {
+  void run(int64_t b, int64_t h0, int64_t heads, float* acc, uint16_t* probs, float* row_max,
+           float* row_sum, __m512i* pairs) const {
     const int64_t len = lens[b], pos_stride = KVH * D, block_stride = bs * KVH * D;
     const int64_t rows = heads * G;  // query heads this task computes
     for (int64_t r = 0; r < rows; ++r) {
@@ -125,35 +127,40 @@ struct DecodeTask {
         return tables[b * max_blocks + pos / bs] * block_stride + (pos % bs) * pos_stride;
       };
       const int64_t base = chunk(start);
-      if (start + kPrefetchAhead < len) prefetch(chunk(start + kPrefetchAhead) + h0 * D, heads);
+      // the same head rows kPrefetchAhead positions on, or none past the end
+      const int64_t ahead = start + kPrefetchAhead < len ? chunk(start + kPrefetchAhead) : -1;
       for (int64_t hh = 0; hh < heads; ++hh)
         score_chunk(b, h0 + hh, kc + base + (h0 + hh) * D, n, acc + hh * G * D,
-                    probs + hh * G * 16, row_max + hh * G, row_sum + hh * G);
+                    probs + hh * G * 16, row_max + hh * G, row_sum + hh * G,
+                    ahead < 0 ? -1 : ahead + (h0 + hh) * D);
       for (int64_t hh = 0; hh < heads; ++hh)
         accumulate_values(vc + base + (h0 + hh) * D, n, probs + hh * G * 16, acc + hh * G * D,
-                          values);
+                          pairs);
     }
     for (int64_t r = 0; r < rows; ++r) {
       at::BFloat16* dst = out + b * H * D + (h0 * G + r) * D;
       const float inv = 1.f / row_sum[r];
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<at::BFloat16>(acc[r * D + d] * inv);
+      for (int64_t slot = 0; slot < D; ++slot)
+        dst[dim_of(slot)] = static_cast<at::BFloat16>(acc[r * D + slot] * inv);
     }
   }
 
-  void prefetch(int64_t offset, int64_t heads) const {
-    for (int64_t e = 0; e < 16; ++e)
-      for (int64_t byte = 0; byte < heads * D * 2; byte += 64) {
-        const char* k = reinterpret_cast<const char*>(kc + offset + e * KVH * D) + byte;
-        const char* v = reinterpret_cast<const char*>(vc + offset + e * KVH * D) + byte;
-        _mm_prefetch(k, _MM_HINT_T0);
-        _mm_prefetch(v, _MM_HINT_T0);
-      }
+  // One position's key and value rows of one head into cache, ahead of their use: spread
+  // over the work, a line per line read, so the misses in flight stay within what the
+  // core can track (a burst of a whole chunk's lines would stall it instead).
+  void prefetch_row(int64_t offset) const {
+    for (int64_t byte = 0; byte < D * 2; byte += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(kc + offset) + byte, kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(vc + offset) + byte, kPrefetchHint);
+    }
   }
 
   // Scores of up to sixteen positions for kv head h's G query heads; online-softmax update.
   void score_chunk(int64_t b, int64_t h, const at::BFloat16* kb, int64_t n, float* acc,
-                   float* probs, float* row_max, float* row_sum) const {
+                   uint16_t* probs, float* row_max, float* row_sum, int64_t ahead) const {
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    if (ahead >= 0)
+      for (int64_t e = 0; e < 16; ++e) prefetch_row(ahead + e * KVH * D);
     for (int64_t g = 0; g < G; ++g) {
       const at::BFloat16* qrow = q + b * q_stride + (h * G + g) * D;
       __m512bh qv[QV];
@@ -173,9 +180,11 @@ struct DecodeTask {
       const float m = std::max(row_max[g], _mm512_reduce_max_ps(s));
       const float correction = std::exp(row_max[g] - m);
       row_max[g] = m;
-      const FVec p = (FVec(s) - FVec(m)).exp();
-      p.store(probs + g * 16);
-      row_sum[g] = row_sum[g] * correction + _mm512_reduce_add_ps(p);
+      // Probabilities in bf16 for the value products (as torch's flash attention does for
+      // bf16); the sum is of the rounded values, so the weights applied sum to one.
+      const __m256bh p = _mm512_cvtneps_pbh((FVec(s) - FVec(m)).exp());
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + g * 16), (__m256i)p);
+      row_sum[g] = row_sum[g] * correction + _mm512_reduce_add_ps(_mm512_cvtpbh_ps(p));
       if (correction != 1.f) {
         const __m512 c = _mm512_set1_ps(correction);
         float* ag = acc + g * D;
@@ -185,27 +194,41 @@ struct DecodeTask {
     }
   }
 
-  // acc[g] += sum over the chunk's n positions of probs[g][e] * v[e], for one kv head: its
-  // value rows are widened to float once, then each query head's sum stays in registers.
-  void accumulate_values(const at::BFloat16* v, int64_t n, const float* probs, float* acc,
-                         float* values) const {
-    for (int64_t e = 0; e < n; ++e)
+  // acc[g] += sum over the chunk's n positions of probs[g][e] * v[e], for one kv head, as
+  // BF16 dot products over pairs of positions: the value rows are interleaved pairwise
+  // once (`pairs`), then each query head's sums stay in registers. acc is kept in the
+  // interleaved order (see `unpermute`).
+  void accumulate_values(const at::BFloat16* v, int64_t n, const uint16_t* probs, float* acc,
+                         __m512i* pairs) const {
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t e = 0; e < n; e += 2) {
       for (int i = 0; i < QV; ++i) {
-        auto [lo, hi] = load_pair<at::BFloat16>(v + e * KVH * D + 32 * i);
-        _mm512_storeu_ps(values + e * D + 32 * i, lo);
-        _mm512_storeu_ps(values + e * D + 32 * i + 16, hi);
+        const __m512i a = _mm512_loadu_si512(v + e * KVH * D + 32 * i);
+        const __m512i b = e + 1 < n ? _mm512_loadu_si512(v + (e + 1) * KVH * D + 32 * i) : zero;
+        pairs[(e / 2) * FV + 2 * i] = _mm512_unpacklo_epi16(a, b);
+        pairs[(e / 2) * FV + 2 * i + 1] = _mm512_unpackhi_epi16(a, b);
       }
+    }
     for (int64_t g = 0; g < G; ++g) {
       float* ag = acc + g * D;
       __m512 sum[FV];
       for (int i = 0; i < FV; ++i) sum[i] = _mm512_loadu_ps(ag + 16 * i);
-      for (int64_t e = 0; e < n; ++e) {
-        const __m512 p = _mm512_set1_ps(probs[g * 16 + e]);
+      const uint16_t* pg = probs + g * 16;
+      for (int64_t e = 0; e < n; e += 2) {
+        const uint32_t second = e + 1 < n ? pg[e + 1] : 0;
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pg[e] | second << 16));
         for (int i = 0; i < FV; ++i)
-          sum[i] = _mm512_fmadd_ps(_mm512_loadu_ps(values + e * D + 16 * i), p, sum[i]);
+          sum[i] = _mm512_dpbf16_ps(sum[i], (__m512bh)pairs[(e / 2) * FV + i], p);
       }
       for (int i = 0; i < FV; ++i) _mm512_storeu_ps(ag + 16 * i, sum[i]);
     }
+  }
+
+  // Accumulator lane -> head dimension: vector 2i (unpacklo of bf16 chunk i) holds, in
+  // 128-bit lane L, dims 32i + 8L + 0..3; vector 2i + 1 (unpackhi) dims 32i + 8L + 4..7.
+  static int64_t dim_of(int64_t slot) {
+    const int64_t vec = slot / 16, lane = slot % 16;
+    return 32 * (vec / 2) + 8 * (lane / 4) + 4 * (vec % 2) + lane % 4;
   }
 };
 
@@ -216,11 +239,12 @@ void decode_bf16(const DecodeTask<D>& task, int64_t B) {
   const int64_t heads = B >= 4 * at::get_num_threads() ? task.KVH : 1;
   const int64_t groups = task.KVH / heads;
   at::parallel_for(0, B * groups, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> acc(heads * task.G * D), probs(heads * task.G * 16);
-    std::vector<float> row_max(heads * task.G), row_sum(heads * task.G), values(16 * D);
+    std::vector<float> acc(heads * task.G * D), row_max(heads * task.G), row_sum(heads * task.G);
+    std::vector<uint16_t> probs(heads * task.G * 16);
+    std::vector<__m512i> pairs(8 * DecodeTask<D>::FV);  // 16 positions' values, pairwise
     for (int64_t t = first; t < last; ++t)
       task.run(t / groups, (t % groups) * heads, heads, acc.data(), probs.data(),
-               row_max.data(), row_sum.data(), values.data());
+               row_max.data(), row_sum.data(), pairs.data());
   });
 }
 #endif
