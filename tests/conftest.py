@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
+# The suite runs its engines eagerly: compiling decode steps costs seconds per engine (a
+# minute the first time on a machine). torch's own switch, so engine subprocesses the
+# tests start inherit it; tests/model/test_compiled.py turns compilation back on.
+os.environ["TORCH_COMPILE_DISABLE"] = "1"
 
-from tests.helpers.tiny_models import write_tiny_model
+import pytest  # noqa: E402
+import torch._dynamo  # noqa: E402
+
+torch._dynamo.config.disable = True
+
+from tests.helpers.tiny_models import write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

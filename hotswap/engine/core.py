@@ -128,7 +128,18 @@ class EngineCore:
             "weight_round_open": self.weight_sync.round_open,
             # How a commit switches weights: "swap" (double buffer) or "copy".
             "weight_switch": "swap" if self.weight_sync.shadow is not None else "copy",
+            **self._compiled_stats(),
             **self._step_time_stats(),
+        }
+
+    def _compiled_stats(self) -> dict[str, int | bool]:
+        """Decode steps through the compiled graphs, and those that ran eagerly instead
+        (a shape the graphs were not compiled for)."""
+        compiled = self.runner.compiled
+        return {
+            "compiled_decode": compiled is not None,
+            "compiled_decode_steps": compiled.compiled_steps if compiled else 0,
+            "eager_decode_steps": compiled.eager_steps if compiled else 0,
         }
 
     def _step_time_stats(self) -> dict[str, float]:

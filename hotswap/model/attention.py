@@ -108,7 +108,9 @@ def _decode_batch(
     rows = [s.row_start for s in decode]
     if rows != list(range(rows[0], rows[0] + len(rows))):
         raise ValueError("attention: decode rows must be contiguous for a DecodeBatch")
-    width = max(len(t) for t in tables)
+    # At least two columns: a compiled graph takes the width as a dynamic size, which a
+    # width of one would specialise.
+    width = max(2, max(len(t) for t in tables))
     padded = [t + [0] * (width - len(t)) for t in tables]
     return DecodeBatch(
         rows=slice(rows[0], rows[0] + len(rows)),

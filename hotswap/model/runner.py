@@ -17,6 +17,7 @@ from hotswap.model.attention import (
     TorchPagedAttention,
     build_metadata,
 )
+from hotswap.model.compiled import CompiledDecode, compilation_available
 from hotswap.model.kernels import CpuKernels
 from hotswap.model.loader import build_model
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
@@ -79,6 +80,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
+        self.compiled = self._compile_decode(progress)  # on the bound cache, still unused
         # Each data-parallel rank draws its own noise for unseeded requests (the same seed
         # would make ranks sample identical "random" completions). The CPU generator keeps
         # 32 bits of a seed, so ranks are spread within them; rank 0 keeps the seed as is.
@@ -99,6 +101,15 @@ class ModelRunner:
             self.model.unpack()
             return []
         return holders
+
+    def _compile_decode(self, progress: bool) -> CompiledDecode | None:
+        """Compiled graphs for decode steps of a few sequences, on the fast CPU path,
+        unless eager mode is asked for or torch cannot compile here."""
+        if (self.config.enforce_eager or self.kernels is None
+                or not compilation_available()):  # fmt: skip
+            return None
+        compiled = CompiledDecode(self.model, self.block_size, self.config.scheduler.max_model_len)
+        return compiled if compiled.warm_up(progress) else None
 
     def weights_changed(self) -> None:
         """Drop every packed copy: the weights were (or may have been) written."""
@@ -185,20 +196,40 @@ class ModelRunner:
         # Decode rows first, by context length: they then form contiguous attention groups.
         items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, s.start))
         inputs = self._prepare(items)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         out = RunnerOutput()
-        if inputs.prompt_rows.rows:
-            self._score_prompts(hidden, inputs.prompt_rows, out)
         sampling = [s.request for s in items if s.samples]
-        if not sampling:
-            return out
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        logits = self._compiled_logits(items, inputs)
+        if logits is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if inputs.prompt_rows.rows:
+                self._score_prompts(hidden, inputs.prompt_rows, out)
+            if not sampling:
+                return out
+            logits = self.model.compute_logits(hidden[inputs.logits_rows])
         result = self.sampler(logits, SamplingBatch.from_requests(sampling, self.device))
         for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
             out.sampled[request.request_id] = token
             if logprobs is not None:
                 out.logprobs[request.request_id] = logprobs
         return out
+
+    def _compiled_logits(
+        self, items: list[ScheduledChunk], inputs: StepInputs
+    ) -> torch.Tensor | None:
+        """A decode step of a few sequences through the compiled graph (every row samples);
+        None: run it eagerly (not such a step, or the graph would have to recompile)."""
+        if self.compiled is None or not CompiledDecode.applies(
+            len(items), all(item.num_tokens == 1 for item in items)
+        ):
+            return None
+        try:
+            logits = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
+        except Exception as e:  # noqa: BLE001 - a shape the graphs were not compiled for
+            self.compiled.eager_steps += 1
+            logger.debug("decode step runs eagerly: %s", e)
+            return None
+        self.compiled.compiled_steps += 1
+        return logits
 
     def _score_prompts(
         self, hidden: torch.Tensor, plan: PromptLogprobRows, out: RunnerOutput

@@ -114,7 +114,10 @@ class Attention(nn.Module):
         self.qk_norm = spec.qk_norm
         self.backend = backend
         self.scale = spec.head_dim**-0.5
-        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The paged KV cache, bound by the runner; buffers, so a compiled graph takes them
+        # as inputs (a cache re-allocated after sleep is seen, not baked in).
+        self.register_buffer("k_cache", torch.empty(0, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.empty(0, dtype=dtype), persistent=False)
         self.kernels: CpuKernels | None = None  # RoPE in place when set
 
     def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -132,9 +135,9 @@ class Attention(nn.Module):
         else:
             qk = apply_rotary(qk, rope)
         q, k = qk.split([heads, kv_heads], dim=1)
-        if self.kv_cache is None:
-            raise RuntimeError("attention: the KV cache was not bound to the model")
-        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        if self.k_cache.numel() == 0:
+            raise RuntimeError("attention: no KV cache is bound to the model")
+        out = self.backend.forward(q, k, v, (self.k_cache, self.v_cache), meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
 
@@ -291,8 +294,9 @@ class LlamaForCausalLM(nn.Module):
         self.head_packed = None
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for layer, cache in zip(self.model.layers, caches, strict=True):
-            layer.self_attn.kv_cache = cache
+        for layer, (k_cache, v_cache) in zip(self.model.layers, caches, strict=True):
+            layer.self_attn.k_cache = k_cache
+            layer.self_attn.v_cache = v_cache
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the model's parameters. Returns the names of the
