@@ -15,8 +15,8 @@ tokens):
   sampled; vLLM refuses n > 1 when greedy), outputs 32-512 (the prefix cache shares each
   prompt among its samples);
 - pause: 64 streaming completions over HTTP (`hotswap serve` / `vllm serve` with
-  VLLM_SERVER_DEV_MODE=1, both answer `/pause?mode=keep` and `/resume`) while a client
-  pauses and resumes every second.
+  VLLM_SERVER_DEV_MODE=1, both answer `/pause?mode=keep&clear_cache=false` and `/resume`)
+  while a client pauses and resumes every second.
 
 Printed per workload and engine: output tok/s, peak RSS of the engine process(es), and the
 time to first token (single: the 1-token latency; batches: until every request has one);
@@ -188,7 +188,7 @@ def serve_command(engine: str, python: Path, args: argparse.Namespace, port: int
         return [str(python), "-m", "hotswap", "serve", "--model", args.model_dir,
                 "--enable-control", "--log-level", "warning", *common]  # fmt: skip
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model_dir,
-            "--max-model-len", "2048", "--disable-log-requests", *common]  # fmt: skip
+            "--max-model-len", "2048", *common]  # fmt: skip
 
 
 def tree_peak_mb(pid: int) -> float:
@@ -250,7 +250,10 @@ async def pause_load(url: str, requests: list[dict]) -> dict:
             while not done.is_set():
                 await asyncio.sleep(1.0)
                 began = time.perf_counter()
-                (await http.post("/pause", params={"mode": "keep"})).raise_for_status()
+                # clear_cache=false, as slime sends it: with the default (true) both engines
+                # drop the frozen requests' KV and recompute every prompt each second.
+                keep = {"mode": "keep", "clear_cache": "false"}
+                (await http.post("/pause", params=keep)).raise_for_status()
                 pauses.append(time.perf_counter() - began)
                 (await http.post("/resume")).raise_for_status()
 

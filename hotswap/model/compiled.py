@@ -71,7 +71,8 @@ class CompiledDecode:
     def warm_up(self, progress: bool = True) -> bool:
         """Compile both graphs on dummy steps (block 0 of a cache no request holds yet).
         False if compilation failed: the engine then runs eagerly."""
-        bar = tqdm(total=2, desc="Compiling decode steps", disable=not progress, leave=False)
+        desc = "Compiling decode steps (cached for later runs)"
+        bar = tqdm(total=2, desc=desc, disable=not progress, leave=False)
         try:
             for rows in (1, 2):
                 device = next(self.model.parameters()).device
