@@ -39,6 +39,7 @@ lint: venv
 
 bench: venv
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/cpu_kernels.py
 	$(PY) benchmarks/pause_resume.py
 	$(PY) benchmarks/serve.py
 	$(PY) benchmarks/weight_sync.py

@@ -8,17 +8,22 @@ batched `generate`), which decodes until the longest request is done; only the r
 tokens are counted as output.
 
     python benchmarks/throughput.py [--model DIR] [--dtype bfloat16|float32] [--num-requests 64]
+
+With `--baseline DIR` the peer is hotswap from another checkout instead (a regression
+check: `git worktree add /tmp/base COMMIT`, then `--baseline /tmp/base`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def make_workload(num_requests: int, vocab_size: int, seed: int, mixed: bool) -> list[dict]:
@@ -88,9 +93,16 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def measure(engine: str, args: argparse.Namespace, model_dir: str, requests: list[dict]) -> dict:
+    """One run in a fresh process. `baseline` is the hotswap worker of another checkout
+    (its own benchmarks/throughput.py, its package first on the path)."""
+    script, env = __file__, None
+    if engine == "baseline":
+        script = str(Path(args.baseline) / "benchmarks" / "throughput.py")
+        env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
+        engine = "hotswap"
     cmd = [
         sys.executable,
-        __file__,
+        script,
         "--worker",
         engine,
         "--dtype",
@@ -101,7 +113,7 @@ def measure(engine: str, args: argparse.Namespace, model_dir: str, requests: lis
     if args.model:
         cmd += ["--model", args.model]
     proc = subprocess.run(
-        cmd, input=json.dumps(requests), capture_output=True, text=True, check=False
+        cmd, input=json.dumps(requests), capture_output=True, text=True, check=False, env=env
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{engine} worker failed:\n{proc.stderr[-3000:]}")
@@ -118,6 +130,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs per engine (best kept)")
     parser.add_argument("--worker", choices=["hotswap", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="compare with hotswap from this checkout (e.g. a `git worktree` of an earlier "
+        "commit) instead of transformers",
+    )
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -135,21 +153,22 @@ def main() -> None:
         ),
     ]
     print(f"model: {model_dir}\ndtype: {args.dtype}\n")
+    peer, peer_label = ("baseline", "base") if args.baseline else ("transformers", "HF")
     header = (
-        f"{'workload':32} {'hotswap tok/s':>14} {'HF tok/s':>10} {'ratio':>7} "
-        f"{'hotswap peak':>13} {'HF peak':>9}"
+        f"{'workload':32} {'hotswap tok/s':>14} {peer_label + ' tok/s':>10} {'ratio':>7} "
+        f"{'hotswap peak':>13} {peer_label + ' peak':>9}"
     )
     print(header)
     print("-" * len(header))
     for name, requests in scenarios:
         # Alternate the engines and keep each one's best run: this machine's timings vary
         # by ~5% run to run, and interleaving keeps slow phases from favouring one side.
-        runs = {"hotswap": [], "transformers": []}
+        runs: dict[str, list[dict]] = {"hotswap": [], peer: []}
         for _ in range(args.repeats):
             for engine in runs:
                 runs[engine].append(measure(engine, args, model_dir, requests))
         ours = max(runs["hotswap"], key=lambda r: r["tokens_per_s"])
-        theirs = max(runs["transformers"], key=lambda r: r["tokens_per_s"])
+        theirs = max(runs[peer], key=lambda r: r["tokens_per_s"])
         ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
         print(
             f"{name:32} {ours['tokens_per_s']:14.1f} {theirs['tokens_per_s']:10.1f} "
