@@ -3,8 +3,8 @@ on the default model's shapes (bf16):
 
 - linear layers of one decode step (all 30 layers' q/k/v/o/gate_up/down + the LM head):
   hotswap's GEMV vs F.linear at 1-8 rows, and the oneDNN-packed copy vs F.linear at 16-128
-  rows; the GEMV's effective weight bandwidth against this machine's memcpy-measured read
-  bandwidth;
+  rows; the GEMV's effective weight bandwidth against this machine's copy bandwidth (the
+  roofline's measure in vs_vllm.py);
 - paged decode attention over every layer's cache (64 sequences, mixed context lengths):
   hotswap's kernel reading blocks in place vs the engine's torch path (sequences grouped
   by length, an index_select gather + SDPA per group) and vs that gather alone (the copy
@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from vs_vllm import read_bandwidth_gbps  # the roofline's measure: one definition
 
 from hotswap.model.attention import PagedKernelAttention, TorchPagedAttention, build_metadata
 from hotswap.model.kernels import CpuKernels
@@ -52,19 +53,12 @@ def step_weights() -> list[torch.Tensor]:
     return [torch.randn(shape, dtype=torch.bfloat16) * 0.02 for shape in shapes]
 
 
-def read_bandwidth_gbps(nbytes: int = 512 << 20) -> float:
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    seconds = best_seconds(lambda: dst.copy_(src), 5)
-    return 2 * nbytes / seconds / 1e9  # a copy reads and writes every byte
-
-
 def bench_linear(kernels: CpuKernels, repeats: int) -> None:
     weights = step_weights()
     nbytes = sum(w.numel() * 2 for w in weights)
     packed = [PackedWeight() for _ in weights] if can_pack() else None
     print(f"\nlinear layers of one step ({nbytes / 1e6:.0f} MB of bf16 weights); "
-          f"memcpy read bandwidth {read_bandwidth_gbps():.1f} GB/s")  # fmt: skip
+          f"copy bandwidth {read_bandwidth_gbps():.1f} GB/s")  # fmt: skip
     print(f"{'rows':>5} {'F.linear ms':>12} {'hotswap ms':>11} {'speed-up':>9} {'path':>8} "
           f"{'GB/s':>6}")  # fmt: skip
 
