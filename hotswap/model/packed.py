@@ -10,6 +10,8 @@ wake-up and worker-extension call; a copy is never read after its weight changed
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Batch size oneDNN is told to expect when packing (the layout is good for 12-128 rows).
@@ -31,10 +33,22 @@ def available_bytes(device: torch.device) -> int:
     return 1 << 62  # unknown: do not refuse
 
 
+@functools.cache
 def can_pack() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(
+    """Whether oneDNN packs bf16 weights on this CPU. Its bf16 path needs AVX512 (bw, vl,
+    dq) or AVX-NE-CONVERT; an AVX2-only CPU (e.g. AMD Zen 3) refuses at the first reorder,
+    so one tiny weight is packed here to ask, rather than parsing CPU flags."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(
         torch.ops.mkldnn, "_reorder_linear_weight"
-    )
+    ):
+        return False
+    probe = torch.zeros(16, 16, dtype=torch.bfloat16)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(probe, PACK_BATCH_HINT)
+        torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedWeight:

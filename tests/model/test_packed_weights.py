@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from hotswap import LLM, SamplingParams
+from hotswap.model.packed import can_pack
 
 SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=512)  # fmt: skip
@@ -39,6 +40,21 @@ def packed_in_use(llm: LLM) -> bool:
     return any(holder.nbytes for holder in llm.engine.runner.packed)
 
 
+needs_packing = pytest.mark.skipif(
+    not can_pack(), reason="oneDNN packs bf16 weights only with AVX512 or AVX-NE-CONVERT"
+)
+
+
+def test_batches_run_on_every_cpu(models, expected) -> None:  # noqa: ANN001
+    """Packing is on by default; a CPU whose oneDNN cannot pack bf16 (AVX2 only, e.g. AMD
+    Zen 3) runs its batches on the plain weights instead of failing the first GEMM."""
+    llm = engine(models[0])
+    assert bool(llm.engine.runner.packed) == can_pack()
+    assert tokens(llm) == expected[0]
+    assert packed_in_use(llm) == can_pack()
+
+
+@needs_packing
 def test_prefill_and_batches_use_packed_copies(models, expected) -> None:  # noqa: ANN001
     llm = engine(models[0])
     assert llm.engine.runner.packed and not packed_in_use(llm)
@@ -49,6 +65,7 @@ def test_prefill_and_batches_use_packed_copies(models, expected) -> None:  # noq
     assert tokens(plain) == expected[0]  # same GEMMs' results, only the layout differs
 
 
+@needs_packing
 def test_every_weight_change_repacks(models, expected) -> None:  # noqa: ANN001
     llm = engine(models[0], enable_sleep_mode=True)
     assert tokens(llm) == expected[0] and packed_in_use(llm)
@@ -64,6 +81,7 @@ def test_every_weight_change_repacks(models, expected) -> None:  # noqa: ANN001
     assert tokens(llm) == expected[0]
 
 
+@needs_packing
 def test_a_weight_round_repacks(models, expected) -> None:  # noqa: ANN001
     from hotswap.weight_transfer import (
         DiskTrainerInitInfo,
