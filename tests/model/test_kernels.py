@@ -146,14 +146,23 @@ def test_engine_decode_through_the_kernels_matches_prefill_scores(ops, tiny_mode
     torch_path = LLM(str(model_dir), dtype="bfloat16", block_size=16, cpu_kernels=False,
                      progress=False)  # fmt: skip
     assert not torch_path.engine.runner.kernels
+    exact = LLM(str(model_dir), dtype="float32", block_size=16, progress=False)
+    kernel_error = torch_error = 0.0  # the largest distance of each bf16 path from float32
     for out in decoded:
         tokens = out.outputs[0].token_ids
-        scored = torch_path.generate(
-            [out.prompt_token_ids + tokens],
-            SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False,
-        )[0].prompt_logprobs[len(out.prompt_token_ids):]  # fmt: skip
-        for token, step, reference in zip(tokens, out.outputs[0].logprobs, scored):
-            assert abs(step[token].logprob - reference[token].logprob) < 0.05
+        request = [out.prompt_token_ids + tokens]
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+        start = len(out.prompt_token_ids)
+        scored = torch_path.generate(request, params, use_tqdm=False)[0].prompt_logprobs[start:]
+        truth = exact.generate(request, params, use_tqdm=False)[0].prompt_logprobs[start:]
+        for token, step, reference, fp32 in zip(tokens, out.outputs[0].logprobs, scored, truth):
+            assert abs(step[token].logprob - reference[token].logprob) < 0.1
+            kernel_error = max(kernel_error, abs(step[token].logprob - fp32[token].logprob))
+            torch_error = max(torch_error, abs(reference[token].logprob - fp32[token].logprob))
+    # bf16 rounding differs by CPU (AMX, AVX-512 BF16 dot products, AVX2 emulation), so
+    # the bound is relative: the kernels are no further from float32 than torch's own bf16
+    # path (measured: 0.094 vs 0.093 on AVX-512 BF16; skipping one block of keys: 2.45).
+    assert kernel_error <= 1.25 * torch_error + 0.02, (kernel_error, torch_error)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
