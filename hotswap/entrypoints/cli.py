@@ -62,6 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--kv-cache-memory",
+        "--kv-cache-memory-bytes",  # vLLM's spelling
         type=int,
         default=DEFAULT_KV_CACHE_BYTES,
         dest="kv_cache_memory_bytes",

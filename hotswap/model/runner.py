@@ -18,6 +18,7 @@ from hotswap.model.attention import (
     build_metadata,
 )
 from hotswap.model.compiled import CompiledDecode, compilation_available
+from hotswap.model.host_memory import return_freed_memory, reuse_freed_memory
 from hotswap.model.kernels import CpuKernels
 from hotswap.model.loader import build_model
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
@@ -64,6 +65,8 @@ class ModelRunner:
         self.config = config
         self.block_size = config.cache.block_size
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            reuse_freed_memory()  # step temporaries off the page-fault path (host_memory.py)
         # Batch-invariant mode keeps its fixed-tile torch path: the kernels' results do not
         # depend on the batch, but a token decoded would differ from the same token
         # computed in a prefill chunk.
@@ -161,10 +164,12 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_caches)
 
     def release_cached_memory(self) -> None:
-        """Hand memory freed by sleep back to the driver (PyTorch's CUDA allocator keeps
-        freed blocks for reuse otherwise); nothing to do on the host."""
+        """Hand memory freed by sleep back: to the driver (PyTorch's CUDA allocator keeps
+        freed blocks for reuse otherwise), or to the system (the heap keeps them, too)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            return_freed_memory()
 
     def restore_kv_cache(self) -> None:
         if self.kv_caches and self.kv_caches[0][0].numel() == 0:

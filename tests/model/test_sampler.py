@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from hotswap.engine.request import Request
-from hotswap.model.sampler import Sampler, SamplerOutput, SamplingBatch
+from hotswap.model.sampler import (
+    DRAW_BLOCK,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    draw_categorical,
+)
 from hotswap.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -234,6 +240,71 @@ def test_one_seeded_request_over_many_steps_matches_softmax() -> None:
     sampler = Sampler()
     tokens = [run(sampler, LOGITS, [request]).token_ids[0] for _ in range(4000)]
     assert_matches(torch.tensor(tokens), LOGITS.softmax(-1)[0])
+
+
+# -- the inverse-CDF draw, against a float64 cumulative sum over the whole row ---------------
+
+
+def reference_draw(probs: torch.Tensor, u: float) -> int:
+    """The first token whose float64 cumulative probability exceeds u * total."""
+    running = probs.double().cumsum(0)
+    return int(torch.searchsorted(running, u * running[-1], right=True))
+
+
+@pytest.mark.parametrize("vocab", [7, DRAW_BLOCK, 3 * DRAW_BLOCK + 17, 49152])
+def test_draw_matches_a_whole_row_cumulative_sum(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(64, vocab, generator=generator) ** 8  # skewed, many tiny entries
+    probs[:, torch.randperm(vocab, generator=generator)[: vocab // 3]] = 0.0  # and zeros
+    probs[:, 0] += 1e-3  # no all-zero row
+    uniforms = torch.rand(64, generator=generator, dtype=torch.float64)
+    drawn = draw_categorical(probs, uniforms).tolist()
+    for row, (token, u) in enumerate(zip(drawn, uniforms.tolist())):
+        running = probs[row].double().cumsum(0)
+        point = u * float(running[-1])
+        # the block sums are float32: a point within 1e-5 of an interval's edge may round
+        # to either side of it (a random point lands there about once in 10^4 draws)
+        near_edge = bool(((running - point).abs() < 1e-5 * float(running[-1])).any())
+        assert probs[row, token] > 0
+        assert near_edge or token == reference_draw(probs[row], u), (row, u)
+
+
+def test_draw_never_picks_a_zero_probability_token_at_the_ends() -> None:
+    vocab = 5 * DRAW_BLOCK + 3
+    probs = torch.zeros(3, vocab)
+    probs[:, DRAW_BLOCK + 5] = 0.25  # zeros before it, whole empty blocks after it
+    probs[:, 2 * DRAW_BLOCK + 1] = 0.75
+    largest_below_one = 1.0 - 2.0**-53
+    uniforms = torch.tensor([0.0, 0.25, largest_below_one], dtype=torch.float64)
+    assert draw_categorical(probs, uniforms).tolist() == [
+        DRAW_BLOCK + 5,
+        2 * DRAW_BLOCK + 1,
+        2 * DRAW_BLOCK + 1,
+    ]
+
+
+def first_uniform_drawing_at_least(probs: torch.Tensor, token: int) -> float:
+    """Bisection over u: the smallest u in [0, 1) whose draw is `token` or later."""
+    low, high = 0.0, 1.0
+    for _ in range(64):
+        mid = (low + high) / 2
+        drawn = int(draw_categorical(probs, torch.tensor([mid], dtype=torch.float64)))
+        low, high = (low, mid) if drawn >= token else (mid, high)
+    return high
+
+
+def test_draw_keeps_the_probability_of_a_token_far_below_float32_resolution() -> None:
+    """A token of probability 1e-9 behind 40k others: a float32 running sum (ulp 6e-8 near
+    the total) would give it an empty or a ~60x widened interval. The set of uniforms
+    drawing it must measure its probability."""
+    vocab, tiny = 49152, 40_000
+    probs = torch.full((1, vocab), (1 - 1e-9) / (vocab - 1), dtype=torch.float32)
+    probs[0, tiny] = 1e-9
+    expected = 1e-9 / float(probs[0].double().sum())
+    width = first_uniform_drawing_at_least(probs, tiny + 1) - first_uniform_drawing_at_least(
+        probs, tiny
+    )
+    assert width == pytest.approx(expected, rel=1e-4)
 
 
 # -- logprobs -------------------------------------------------------------------------------
