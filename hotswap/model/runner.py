@@ -103,6 +103,7 @@ class ModelRunner:
                            "fit in memory; GEMMs use the plain weights", need / 2**30)  # fmt: skip
             self.model.unpack()
             return []
+        self.model.pack_weights()  # ~0.2 s for the default model, paid at start
         return holders
 
     def _compile_decode(self, progress: bool) -> CompiledDecode | None:

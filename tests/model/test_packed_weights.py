@@ -57,7 +57,7 @@ def test_batches_run_on_every_cpu(models, expected) -> None:  # noqa: ANN001
 @needs_packing
 def test_prefill_and_batches_use_packed_copies(models, expected) -> None:  # noqa: ANN001
     llm = engine(models[0])
-    assert llm.engine.runner.packed and not packed_in_use(llm)
+    assert llm.engine.runner.packed and packed_in_use(llm)  # packed at start, not in a step
     assert tokens(llm) == expected[0]
     assert packed_in_use(llm)
     plain = engine(models[0], prepack_weights=False)

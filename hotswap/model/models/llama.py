@@ -275,8 +275,9 @@ class LlamaForCausalLM(nn.Module):
         self.matvec = kernels.gemv if kernels is not None else None
 
     def prepack(self) -> list[PackedWeight]:
-        """Give every bf16 linear layer and the LM head a packed copy (made on first use);
-        returns them, for the runner to invalidate when the weights change."""
+        """Give every bf16 linear layer and the LM head a holder for a packed copy (made by
+        `pack_weights` or on first use); returns them, for the runner to invalidate when the
+        weights change."""
         holders = []
         for module in self.modules():
             if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
@@ -286,6 +287,14 @@ class LlamaForCausalLM(nn.Module):
             self.head_packed = PackedWeight()
             holders.append(self.head_packed)
         return holders
+
+    def pack_weights(self) -> None:
+        """Make the packed copies now (engine start), not inside the first large step."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.packed is not None:
+                module.packed.pack(module.weight)
+        if self.head_packed is not None:
+            self.head_packed.pack(self.lm_head_weight)
 
     def unpack(self) -> None:
         for module in self.modules():
