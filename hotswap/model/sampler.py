@@ -127,7 +127,7 @@ class Sampler:
         self, logits: torch.Tensor, batch: SamplingBatch, rows: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The drawn tokens, and the distribution they were drawn from in the form the
-        logprobs mode reports (processed logprobs: the very values the race used)."""
+        logprobs mode reports (processed logprobs: the very values the draw used)."""
         logits = logits.div_(batch.temperature[rows])  # the caller's copy (or spent logits)
         logits = _apply_min_p(logits, batch.min_p[rows])
         logits = _apply_top_k(logits, [batch.top_k[r] for r in rows])
