@@ -53,7 +53,7 @@ def can_pack() -> bool:
 
 
 class PackedWeight:
-    """One weight's packed copy, made by `pack` or on first use."""
+    """One weight's packed copy (`pack`), remade on first use after `invalidate`."""
 
     __slots__ = ("_packed",)
 

@@ -96,15 +96,12 @@ class ModelRunner:
         more copy of them fits in memory (half of what is available, at most)."""
         if self.kernels is None or not can_pack():
             return []
-        holders = self.model.prepack()
         need = sum(p.numel() * 2 for p in self.model.parameters() if p.dtype == torch.bfloat16)
-        if holders and need > available_bytes(self.device) // 2:
+        if need > available_bytes(self.device) // 2:
             logger.warning("prepack_weights: a packed copy of the weights (%.2f GiB) does not "
                            "fit in memory; GEMMs use the plain weights", need / 2**30)  # fmt: skip
-            self.model.unpack()
             return []
-        self.model.pack_weights()  # ~0.2 s for the default model, paid at start
-        return holders
+        return self.model.prepack()  # ~0.2 s for the default model, paid at start
 
     def _compile_decode(self, progress: bool) -> CompiledDecode | None:
         """Compiled graphs for decode steps of a few sequences, on the fast CPU path,

@@ -94,17 +94,19 @@ class Sampler:
         reported = _as_mode(logits[wanted], self.logprobs_mode) if wanted and raw else None
         logits = process_logits(logits, batch)
         random_rows = [row for row, greedy in enumerate(batch.greedy.tolist()) if not greedy]
-        if len(random_rows) < len(logits):
-            tokens = logits.max(dim=-1).indices  # same first-max tie rule as argmax, ~2x faster
-        else:
-            tokens = torch.empty(len(logits), dtype=torch.long, device=logits.device)
+        all_random = len(random_rows) == len(logits) > 0
+        # same first-max tie rule as argmax, ~2x faster; not needed when no row is greedy
+        tokens = None if all_random else logits.max(dim=-1).indices
         if wanted and not raw:
             reported = self._processed_greedy_rows(logits, batch, wanted)
         if random_rows:
             # With no greedy row the logits are not read again: sampled in place, no copy.
-            chosen = logits if len(random_rows) == len(logits) else logits[random_rows]
+            chosen = logits if all_random else logits[random_rows]
             drawn, distribution = self._sample(chosen, batch, random_rows)
-            tokens[random_rows] = drawn
+            if tokens is None:
+                tokens = drawn
+            else:
+                tokens[random_rows] = drawn
             if reported is not None and not raw:
                 _report_random_rows(reported, distribution, wanted, random_rows)
         token_list = tokens.tolist()

@@ -275,32 +275,20 @@ class LlamaForCausalLM(nn.Module):
         self.matvec = kernels.gemv if kernels is not None else None
 
     def prepack(self) -> list[PackedWeight]:
-        """Give every bf16 linear layer and the LM head a holder for a packed copy (made by
-        `pack_weights` or on first use); returns them, for the runner to invalidate when the
-        weights change."""
+        """Give every bf16 linear layer and the LM head a packed copy, made now (not inside
+        the first large step); returns them, for the runner to invalidate when the weights
+        change (a step that needs one then repacks it)."""
         holders = []
         for module in self.modules():
             if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
                 module.packed = PackedWeight()
+                module.packed.pack(module.weight)
                 holders.append(module.packed)
         if self.lm_head_weight.dtype == torch.bfloat16:
             self.head_packed = PackedWeight()
+            self.head_packed.pack(self.lm_head_weight)
             holders.append(self.head_packed)
         return holders
-
-    def pack_weights(self) -> None:
-        """Make the packed copies now (engine start), not inside the first large step."""
-        for module in self.modules():
-            if isinstance(module, Linear) and module.packed is not None:
-                module.packed.pack(module.weight)
-        if self.head_packed is not None:
-            self.head_packed.pack(self.lm_head_weight)
-
-    def unpack(self) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.packed = None
-        self.head_packed = None
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (k_cache, v_cache) in zip(self.model.layers, caches, strict=True):
