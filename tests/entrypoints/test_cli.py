@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hotswap import LLM, SamplingParams
+from hotswap.entrypoints.cli import build_parser
 
 # Small KV cache for the runs that do not test the defaults (the default is 1 GiB).
 SMALL_KV = ["--num-kv-blocks", "16", "--max-model-len", "256"]
@@ -78,6 +79,7 @@ def test_chat_applies_the_chat_template(tiny_llama: Path, reference: LLM) -> Non
         (["--max-tokens", "0"], "max_tokens"),
         (["--temperature", "-1"], "temperature"),
         (["--block-size", "0"], "block_size"),
+        (["--kv-cache-memory-bytes", "0"], "kv_cache_memory_bytes"),  # vLLM's spelling
         (["--model", "/nonexistent/tiny-model"], "model"),
     ],
 )
@@ -89,3 +91,11 @@ def test_bad_flag_value_exits_nonzero_without_traceback(
     assert result.stdout == ""
     assert f"hotswap: error: {field}: " in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_vllm_kv_cache_memory_bytes_flag_sets_the_budget() -> None:
+    """`vllm serve ... --kv-cache-memory-bytes N` (vLLM's flag) means what
+    hotswap's `--kv-cache-memory N` does."""
+    for flag in ("--kv-cache-memory-bytes", "--kv-cache-memory"):
+        args = build_parser().parse_args(["serve", "some/model", flag, str(3 << 30)])
+        assert args.kv_cache_memory_bytes == 3 << 30
