@@ -4,16 +4,20 @@ The library is compiled for the instruction set this CPU has, with the C++ compi
 itself uses for JIT extensions, into `~/.cache/hotswap/kernels/<name>`, where the name
 hashes the source, the flags and the torch version: a later process (or a data-parallel
 rank) loads the cached library in milliseconds, and a change to any of them builds anew.
-Concurrent builders wait on torch's lock in that directory. If no compiler is available or
-the build fails, `load_cpu_kernels` says why once and returns None, and the engine runs on
-torch's own operators instead (same results up to float rounding).
+Concurrent builders wait on an flock in that directory, which dies with its holder; a
+built library is loaded without torch's build step and its lock file. If no compiler is
+available or the build fails, `load_cpu_kernels` says why once and returns None, and the
+engine runs on torch's own operators instead (same results up to float rounding).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,11 +54,20 @@ def library_name(flags: list[str]) -> str:
     return f"hotswap_cpu_{digest.hexdigest()}"
 
 
+def build_flags() -> list[str]:
+    # No FMA contraction: the elementwise kernels round as torch's separate operators do.
+    return ["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags()]
+
+
+def library_dir() -> Path:
+    """Where this machine's build of the kernels lives."""
+    return cache_root() / "kernels" / library_name(build_flags())
+
+
 def load_cpu_kernels(progress: bool = True) -> bool:
     """Build (first time on this machine) and load the kernels into this process; their ops
     are then `torch.ops.hotswap_cpu.*`. False if they cannot be built here."""
-    # No FMA contraction: the elementwise kernels round as torch's separate operators do.
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags()]
+    flags = build_flags()
     name = library_name(flags)
     with _LOCK:
         if name not in _loaded:
@@ -65,13 +78,47 @@ def load_cpu_kernels(progress: bool = True) -> bool:
 def _build_and_load(name: str, flags: list[str], progress: bool) -> bool:
     if hasattr(torch.ops.hotswap_cpu, "gemv"):  # another build of this process loaded
         return True
+    directory = library_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    library = directory / f"{name}.so"
+    if not (library.exists() and _load_built(library)):
+        with _builder_lock(directory):
+            built = library.exists() and _load_built(library)  # by another process meanwhile
+            if not built and not _build(name, flags, directory, progress):
+                return False
+    _register_fakes()
+    return True
+
+
+def _load_built(library: Path) -> bool:
+    """Load a library built earlier (its name hashes sources, flags and torch version),
+    without torch's build step, which takes a lock file for every load: a process killed
+    inside that step would leave the file behind and every later engine start would wait
+    on it forever. False (the file removed) if it cannot be loaded, e.g. a cut-off link."""
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as e:
+        logger.warning("rebuilding hotswap CPU kernels: %s does not load (%s)", library, e)
+        library.unlink(missing_ok=True)
+        return False
+    return True
+
+
+@contextmanager
+def _builder_lock(directory: Path) -> Iterator[None]:
+    """One builder per library on this machine. An flock, which the system releases when
+    its holder dies; holding it, torch's own lock file can only be a dead builder's."""
+    with open(directory / "builder.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        (directory / "lock").unlink(missing_ok=True)
+        yield
+
+
+def _build(name: str, flags: list[str], directory: Path, progress: bool) -> bool:
     from torch.utils import cpp_extension
 
-    directory = cache_root() / "kernels" / name
-    directory.mkdir(parents=True, exist_ok=True)
-    cached = any(directory.glob(f"{name}*.so"))
     bar = tqdm(total=1, desc="Building hotswap CPU kernels (once per machine)",
-               disable=not progress or cached, leave=False)  # fmt: skip
+               disable=not progress, leave=False)  # fmt: skip
     try:
         sources = [str(path) for path in sorted(SOURCES.glob("*.cpp"))]
         cpp_extension.load(name, sources, extra_cflags=flags, extra_ldflags=["-fopenmp"],
@@ -84,7 +131,6 @@ def _build_and_load(name: str, flags: list[str], progress: bool) -> bool:
     finally:
         bar.update(1)
         bar.close()
-    _register_fakes()
     return True
 
 
