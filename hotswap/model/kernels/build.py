@@ -59,9 +59,9 @@ def build_flags() -> list[str]:
     return ["-O3", "-fopenmp", "-ffp-contract=off", *isa_flags()]
 
 
-def library_dir() -> Path:
-    """Where this machine's build of the kernels lives."""
-    return cache_root() / "kernels" / library_name(build_flags())
+def library_dir(name: str | None = None) -> Path:
+    """Where the library `name` (default: this machine's build of the kernels) lives."""
+    return cache_root() / "kernels" / (name or library_name(build_flags()))
 
 
 def load_cpu_kernels(progress: bool = True) -> bool:
@@ -78,7 +78,7 @@ def load_cpu_kernels(progress: bool = True) -> bool:
 def _build_and_load(name: str, flags: list[str], progress: bool) -> bool:
     if hasattr(torch.ops.hotswap_cpu, "gemv"):  # another build of this process loaded
         return True
-    directory = library_dir()
+    directory = library_dir(name)
     directory.mkdir(parents=True, exist_ok=True)
     library = directory / f"{name}.so"
     if not (library.exists() and _load_built(library)):
