@@ -6,7 +6,8 @@ on the default model's shapes (bf16):
   rows; the GEMV's effective weight bandwidth against this machine's copy bandwidth (the
   roofline's measure in vs_vllm.py);
 - paged decode attention over every layer's cache (64 sequences, mixed context lengths):
-  hotswap's kernel reading blocks in place vs the engine's torch path (sequences grouped
+  hotswap's kernel reading blocks in place (the tiled bf16 cache where the CPU has
+  AVX-512 BF16) vs the engine's torch path (sequences grouped
   by length, an index_select gather + SDPA per group) and vs that gather alone (the copy
   the kernel avoids).
 
@@ -27,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from vs_vllm import read_bandwidth_gbps  # the roofline's measure: one definition
 
-from hotswap.model.attention import PagedKernelAttention, TorchPagedAttention, build_metadata
+from hotswap.model.attention import CacheSpec, TorchPagedAttention, build_metadata, write_kv
+from hotswap.model.attention_kernel import PagedKernelAttention
 from hotswap.model.kernels import CpuKernels
 from hotswap.model.packed import PackedWeight, can_pack
 
@@ -105,12 +107,22 @@ def bench_attention(kernels: CpuKernels, repeats: int, batch: int) -> None:
     grouped = build_metadata(ones, context, tables, slots, BLOCK, torch.bfloat16)
     paged = build_metadata(ones, context, tables, slots, BLOCK, torch.bfloat16, True)
     torch_backend = TorchPagedAttention()
-    kernel_backend = PagedKernelAttention(kernels.paged_decode_attention)
+    kernel_backend = PagedKernelAttention(kernels)
+    spec = CacheSpec(BLOCK, HEADS, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cpu"))
+    all_slots = torch.arange(shape[0] * BLOCK)
+    kernel_caches = []  # the same contents, in the layout the kernel reads (tiled here)
+    for k, v in caches:
+        made = kernel_backend.make_cache(shape[0], spec)
+        if kernel_backend.tiled:
+            kernels.write_kv_tiles(k.flatten(0, 1), v.flatten(0, 1), *made, all_slots)
+        else:
+            write_kv(k.flatten(0, 1), v.flatten(0, 1), made, all_slots)
+        kernel_caches.append(made)
     scale = HEAD_DIM**-0.5
     kv_bytes = sum(context) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
 
-    def step(backend: object, meta: object) -> Callable[[], None]:
-        return lambda: [backend.forward(query, key, key, kv, meta, scale) for kv in caches]
+    def step(backend: object, meta: object, layers: list) -> Callable[[], None]:
+        return lambda: [backend.forward(query, key, key, kv, meta, scale) for kv in layers]
 
     def gather_only() -> None:
         for k, v in caches:
@@ -120,13 +132,14 @@ def bench_attention(kernels: CpuKernels, repeats: int, batch: int) -> None:
     print(f"\npaged decode attention, {LAYERS} layers, {batch} sequences of 32-768 tokens "
           f"(mean {sum(context) / batch:.0f}; {kv_bytes / 1e6:.0f} MB of K/V; torch path in "
           f"{len(grouped.decode_groups)} length groups)")  # fmt: skip
-    ours = best_seconds(step(kernel_backend, paged), repeats)
-    runs = (("torch path", step(torch_backend, grouped)), ("its gather alone", gather_only))
+    ours = best_seconds(step(kernel_backend, paged, kernel_caches), repeats)
+    runs = (("torch path", step(torch_backend, grouped, caches)), ("its gather alone", gather_only))
     for name, fn in runs:
         theirs = best_seconds(fn, repeats)
         print(f"  {name:<16} {1000 * theirs:8.1f} ms   hotswap kernel {1000 * ours:6.1f} ms "
               f"({theirs / ours:.2f}x)")  # fmt: skip
-    print(f"  kernel reads K/V at {kv_bytes / ours / 1e9:.1f} GB/s")
+    layout = "tiled" if kernel_backend.tiled else "natural"
+    print(f"  kernel ({layout} cache) reads K/V at {kv_bytes / ours / 1e9:.1f} GB/s")
 
 
 def main() -> None:

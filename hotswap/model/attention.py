@@ -8,12 +8,29 @@ table holds. Backends share the metadata; a CUDA backend can replace the torch o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a layer's KV cache holds: its blocks' size and the model's attention shape."""
+
+    block_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def natural_cache(num_blocks: int, spec: CacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """[blocks, block_size, kv_heads, head_dim] keys and values, zeroed."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return tuple(torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(2))
 
 
 @dataclass
@@ -61,12 +78,16 @@ class AttentionBackend(Protocol):
     # Whether the backend reads AttentionMetadata.decode_batch (else decode_groups).
     reads_decode_batch: bool
 
+    def make_cache(self, num_blocks: int, spec: CacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's key and value caches, laid out as this backend reads them."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [tokens, heads, head_dim]
         key: torch.Tensor,  # [tokens, kv_heads, head_dim]
         value: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [blocks, block_size, kv_heads, dim]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # as make_cache made them
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...
@@ -179,6 +200,13 @@ class TorchPagedAttention:
 
     reads_decode_batch = False
 
+    def make_cache(self, num_blocks: int, spec: CacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return natural_cache(num_blocks, spec)
+
+    def context(self, kv_cache, seq: SequenceSlice) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        """[context_len, kv_heads, dim] keys and values of one sequence."""
+        return gather_context(kv_cache[0], seq), gather_context(kv_cache[1], seq)
+
     def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
         write_kv(key, value, kv_cache, meta.slot_mapping)
         out = torch.empty_like(query)
@@ -203,10 +231,9 @@ class TorchPagedAttention:
         )
         return out.squeeze(2)
 
-    @staticmethod
-    def _sequence(query, kv_cache, seq, scale) -> torch.Tensor:  # noqa: ANN001
-        keys = gather_context(kv_cache[0], seq).transpose(0, 1).unsqueeze(0)
-        values = gather_context(kv_cache[1], seq).transpose(0, 1).unsqueeze(0)
+    def _sequence(self, query, kv_cache, seq, scale) -> torch.Tensor:  # noqa: ANN001
+        keys, values = self.context(kv_cache, seq)
+        keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, queries, dim]
         num_cached = seq.context_len - seq.num_queries
         if num_cached == 0:
@@ -222,35 +249,6 @@ class TorchPagedAttention:
         return out[0].transpose(0, 1)
 
 
-class PagedKernelAttention(TorchPagedAttention):
-    """Decode rows through hotswap's paged kernel (`decode`), which reads each sequence's
-    keys and values where they lie in the cache; prefill chunks through SDPA as in the
-    torch path."""
-
-    reads_decode_batch = True
-
-    def __init__(self, decode: Callable[..., torch.Tensor]) -> None:
-        self.decode = decode  # torch.ops.hotswap_cpu.paged_decode_attention
-
-    def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
-        write_kv(key, value, kv_cache, meta.slot_mapping)
-        batch = meta.decode_batch
-        if batch is not None and not meta.sequences:  # a pure decode step: one call
-            return self._decode(query, kv_cache, batch, scale)
-        out = query.new_empty(query.shape)
-        if batch is not None:
-            out[batch.rows] = self._decode(query[batch.rows], kv_cache, batch, scale)
-        for seq in meta.sequences:
-            rows = slice(seq.row_start, seq.row_start + seq.num_queries)
-            out[rows] = self._sequence(query[rows], kv_cache, seq, scale)
-        return out
-
-    def _decode(self, query, kv_cache, batch: DecodeBatch, scale) -> torch.Tensor:  # noqa: ANN001
-        return self.decode(
-            query, kv_cache[0], kv_cache[1], batch.block_tables, batch.context_lens, scale
-        )
-
-
 # Batch-invariant attention: queries in tiles aligned to absolute positions, keys in
 # fixed-size chunks aligned to position 0, combined by an online softmax in chunk order.
 # Every matmul then has one fixed shape and a token always sits in the same tile row, so
@@ -262,6 +260,9 @@ KEY_CHUNK = 256
 
 class BatchInvariantAttention:
     reads_decode_batch = False
+
+    def make_cache(self, num_blocks: int, spec: CacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return natural_cache(num_blocks, spec)
 
     def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
         write_kv(key, value, kv_cache, meta.slot_mapping)

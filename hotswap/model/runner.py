@@ -13,10 +13,11 @@ from hotswap.errors import InvalidArgument
 from hotswap.model.attention import (
     AttentionBackend,
     BatchInvariantAttention,
-    PagedKernelAttention,
+    CacheSpec,
     TorchPagedAttention,
     build_metadata,
 )
+from hotswap.model.attention_kernel import PagedKernelAttention
 from hotswap.model.compiled import CompiledDecode, compilation_available
 from hotswap.model.host_memory import return_freed_memory, reuse_freed_memory
 from hotswap.model.kernels import CpuKernels
@@ -122,7 +123,7 @@ class ModelRunner:
             return BatchInvariantAttention()
         if self.kernels is None:
             return TorchPagedAttention()
-        return PagedKernelAttention(self.kernels.paged_decode_attention)
+        return PagedKernelAttention(self.kernels)
 
     # -- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -144,15 +145,9 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         spec = self.model.spec
-        shape = (num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        dtype = self.config.model.dtype
-        return [
-            (
-                torch.zeros(shape, dtype=dtype, device=self.device),
-                torch.zeros(shape, dtype=dtype, device=self.device),
-            )
-            for _ in range(spec.num_layers)
-        ]
+        cache = CacheSpec(self.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                          self.config.model.dtype, self.device)  # fmt: skip
+        return [self.backend.make_cache(num_blocks, cache) for _ in range(spec.num_layers)]
 
     def free_kv_cache(self) -> None:
         """Release the KV memory (sleep); the scheduler must hold no block by now."""

@@ -1,7 +1,7 @@
 """hotswap's CPU kernels against independent references: paged decode attention against
 float64 softmax attention over each sequence's gathered context, GEMV against a float64
-matrix product. Both the AVX-512 BF16 path (bf16, head size 64/128, blocks of 16) and the
-portable path (other dtypes and shapes) are covered where this CPU has them."""
+matrix product. The natural-layout kernel (any dtype and shape) and, where this CPU has
+AVX-512 BF16, the kernel over the tiled bf16 cache and the writes into it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import shutil
 import pytest
 import torch
 
-from hotswap.model.kernels import load_cpu_kernels
+from hotswap.model.attention import CacheSpec, SequenceSlice, gather_context
+from hotswap.model.attention_kernel import tiled_cache, untile
+from hotswap.model.kernels import CpuKernels, load_cpu_kernels
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -207,3 +209,75 @@ def test_rms_norm_matches_the_torch_path(ops, dtype, weight_dtype) -> None:  # n
         assert ((want.double() - exact).abs() <= bound).all()
         if want.dtype == torch.bfloat16:
             assert (got == want).float().mean() > 0.95
+
+
+# -- the tiled bf16 cache (csrc/paged_attention_tiles.cpp) ---------------------------------
+needs_tiles = pytest.mark.skipif(
+    not CpuKernels.tiles_apply(torch.bfloat16, 9, 3, 64, 16),
+    reason="the tiled cache needs kernels built with AVX-512 BF16",
+)
+TILED_SHAPES = [s for s in SHAPES if s[2] in (64, 128) and s[3] % 16 == 0]
+
+
+def tiled_copy(ops, k_cache, v_cache):  # noqa: ANN001, ANN201
+    """The natural caches' contents written into tiled caches, slot by slot."""
+    blocks, block_size, kv_heads, dim = k_cache.shape
+    spec = CacheSpec(block_size, kv_heads, kv_heads, dim, k_cache.dtype, torch.device("cpu"))
+    k_tiles, v_tiles = tiled_cache(blocks, spec)
+    slots = torch.arange(blocks * block_size)
+    ops.write_kv_tiles(k_cache.flatten(0, 1), v_cache.flatten(0, 1), k_tiles, v_tiles, slots)
+    return k_tiles, v_tiles
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", TILED_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_tiled_decode_attention_matches_reference(ops, shape) -> None:  # noqa: ANN001
+    heads, kv_heads, dim, block_size = shape
+    q, k, v, tables, lens = random_batch(heads, kv_heads, dim, block_size, LENS, torch.bfloat16)
+    out = ops.paged_decode_attention_tiles(q, *tiled_copy(ops, k, v), tables, lens, dim**-0.5)
+    expected = reference_decode(q, k, v, tables, lens, dim**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
+
+
+@needs_tiles
+def test_tiled_sequence_gets_the_same_bits_alone_or_in_a_batch(ops) -> None:  # noqa: ANN001
+    lens = [37 + 13 * i for i in range(40)]
+    q, k, v, tables, lens_t = random_batch(9, 3, 64, 16, lens, torch.bfloat16)
+    k_tiles, v_tiles = tiled_copy(ops, k, v)
+    together = ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, tables, lens_t, 0.125)
+    for b in (0, 17, 39):
+        rows = slice(b, b + 1)
+        alone = ops.paged_decode_attention_tiles(q[rows], k_tiles, v_tiles, tables[rows],
+                                                 lens_t[rows], 0.125)  # fmt: skip
+        assert torch.equal(alone[0], together[b])
+    view = torch.cat([q, torch.zeros_like(q[:, :3])], dim=1)[:, :9]  # rows of a fused output
+    strided = ops.paged_decode_attention_tiles(view, k_tiles, v_tiles, tables, lens_t, 0.125)
+    assert torch.equal(strided, together)
+
+
+@needs_tiles
+def test_tiles_hold_what_was_written_and_untile_gives_it_back(ops) -> None:  # noqa: ANN001
+    _, k, v, tables, lens = random_batch(9, 3, 64, 32, [1, 31, 32, 33, 100], torch.bfloat16)
+    k_tiles, v_tiles = tiled_copy(ops, k, v)
+    for table, length in zip(tables, lens.tolist()):
+        seq = SequenceSlice(0, 1, length, table)
+        keys, values = untile(k_tiles, v_tiles, seq)
+        assert torch.equal(keys, gather_context(k, seq))
+        assert torch.equal(values, gather_context(v, seq))
+
+
+@needs_tiles
+def test_tiled_ops_refuse_bad_tables_and_slots(ops) -> None:  # noqa: ANN001
+    q, k, v, tables, lens = random_batch(9, 3, 64, 16, [20, 20], torch.bfloat16)
+    k_tiles, v_tiles = tiled_copy(ops, k, v)
+    bad = tables.clone()
+    bad[1, 1] = k.shape[0]
+    with pytest.raises(RuntimeError, match="not in the cache"):
+        ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, bad, lens, 0.125)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, tables, torch.tensor([0, 20]), 0.125)
+    before = k_tiles.clone()
+    new = torch.ones(2, 3, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="slot 100000 is not in the cache"):
+        ops.write_kv_tiles(new, new, k_tiles, v_tiles, torch.tensor([0, 100_000]))
+    assert torch.equal(k_tiles, before)  # checked before any write

@@ -1,5 +1,6 @@
 """hotswap's own CPU kernels (C++, built once per machine): paged decode attention that
-reads the KV cache in place, a GEMV for the rows of a decode step, and fused RMSNorm and
+reads the KV cache in place (over bf16 caches kept in 16-position tiles where the CPU has
+AVX-512 BF16), a GEMV for the rows of a decode step, and fused RMSNorm and
 RoPE. The engine falls back to torch's operators wherever they do not apply or cannot be
 built."""
 
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hotswap.model.kernels.build import load_cpu_kernels
+from hotswap.model.kernels.build import isa_flags, load_cpu_kernels
 
 __all__ = ["CpuKernels", "load_cpu_kernels"]
 
@@ -25,6 +26,8 @@ class CpuKernels:
     add_rms_norm: Callable[..., torch.Tensor]  # mutates its residual argument
     rotary_embedding: Callable[..., None]  # in place
     paged_decode_attention: Callable[..., torch.Tensor]
+    paged_decode_attention_tiles: Callable[..., torch.Tensor]
+    write_kv_tiles: Callable[..., None]  # in place, into the caches
 
     @classmethod
     def load(cls, progress: bool = True) -> CpuKernels | None:
@@ -33,4 +36,20 @@ class CpuKernels:
             return None
         ops = torch.ops.hotswap_cpu
         return cls(ops.gemv, ops.rms_norm, ops.add_rms_norm, ops.rotary_embedding,
-                   ops.paged_decode_attention)  # fmt: skip
+                   ops.paged_decode_attention, ops.paged_decode_attention_tiles,
+                   ops.write_kv_tiles)  # fmt: skip
+
+    @staticmethod
+    def tiles_apply(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                    block_size: int) -> bool:  # fmt: skip
+        """Whether the tiled cache and its kernel (csrc/paged_attention_tiles.cpp) serve
+        this model: bf16, head size 64 or 128, at most 8 query heads per kv head, blocks
+        of whole tiles, on a CPU the kernels were built with AVX-512 BF16 for."""
+        return (
+            dtype == torch.bfloat16
+            and head_dim in (64, 128)
+            and heads % kv_heads == 0
+            and heads // kv_heads <= 8
+            and block_size % 16 == 0
+            and "-mavx512bf16" in isa_flags()
+        )

@@ -148,6 +148,14 @@ def _register_fakes() -> None:
     def _(query, key_cache, value_cache, block_tables, context_lens, scale):  # noqa: ANN001, ANN202
         return query.new_empty(query.shape)
 
+    @torch.library.register_fake("hotswap_cpu::paged_decode_attention_tiles")
+    def _(query, key_tiles, value_tiles, block_tables, context_lens, scale):  # noqa: ANN001, ANN202
+        return query.new_empty(query.shape)
+
+    @torch.library.register_fake("hotswap_cpu::write_kv_tiles")
+    def _(key, value, key_tiles, value_tiles, slot_mapping):  # noqa: ANN001, ANN202
+        return None
+
     @torch.library.register_fake("hotswap_cpu::gemv")
     def _(input, weight):  # noqa: ANN001, ANN202, A002
         return input.new_empty(input.shape[0], weight.shape[0])

@@ -46,9 +46,21 @@ inline float reduce_sum(FVec v) {
   return at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, v);
 }
 
+// Checks every sequence's context fits its block table and each block it reads exists.
+void check_block_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t num_blocks,
+                        int64_t block_size);
+
+// Query heads per kv head the tiled decode kernel is built for.
+constexpr int64_t kMaxTileGroup = 8;
+
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale);
+at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tensor& key_tiles,
+                                        const at::Tensor& value_tiles, const at::Tensor& block_tables,
+                                        const at::Tensor& context_lens, double scale);
+void write_kv_tiles(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_tiles,
+                    at::Tensor& value_tiles, const at::Tensor& slot_mapping);
 at::Tensor gemv(const at::Tensor& input, const at::Tensor& weight);
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,

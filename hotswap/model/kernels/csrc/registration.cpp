@@ -3,6 +3,11 @@
 //   paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
 //       one query token per sequence attends to its context read in place from the paged
 //       cache (no gather into a copy); online softmax over the blocks in order.
+//   paged_decode_attention_tiles(query, key_tiles, value_tiles, block_tables, context_lens,
+//                                scale), write_kv_tiles(key, value, key_tiles!, value_tiles!,
+//                                slot_mapping)
+//       the same over a bf16 cache kept in 16-position tiles laid out for AVX-512 BF16 dot
+//       products (paged_attention_tiles.cpp), and the write of new tokens into it.
 //   gemv(input, weight)
 //       input [M, K] @ weight[N, K]^T for the few rows of a decode step: the weights are
 //       streamed once, which is all a matrix-vector product can do.
@@ -20,6 +25,10 @@
 TORCH_LIBRARY(hotswap_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_attention_tiles(Tensor query, Tensor key_tiles, Tensor value_tiles, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("write_kv_tiles(Tensor key, Tensor value, Tensor(a!) key_tiles, Tensor(b!) value_tiles, "
+        "Tensor slot_mapping) -> ()");
   m.def("gemv(Tensor input, Tensor weight) -> Tensor");
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
@@ -28,6 +37,8 @@ TORCH_LIBRARY(hotswap_cpu, m) {
 
 TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
   m.impl("paged_decode_attention", &hotswap::paged_decode_attention);
+  m.impl("paged_decode_attention_tiles", &hotswap::paged_decode_attention_tiles);
+  m.impl("write_kv_tiles", &hotswap::write_kv_tiles);
   m.impl("gemv", &hotswap::gemv);
   m.impl("rms_norm", &hotswap::rms_norm);
   m.impl("add_rms_norm", &hotswap::add_rms_norm);
