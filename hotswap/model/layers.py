@@ -34,13 +34,13 @@ MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def use_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
-    """Route the model's single-row products, norms and RoPE through `kernels` (None: back
-    to torch operators)."""
+    """Route the model's single-row products, norms, RoPE and MLP activations through
+    `kernels` (None: back to torch operators)."""
     matvec = kernels.gemv if kernels is not None else None
     for module in model.modules():
         if isinstance(module, Linear):
             module.matvec = matvec
-        elif hasattr(module, "kernels"):  # norms, attention (RoPE)
+        elif hasattr(module, "kernels"):  # norms, attention (RoPE), MLPs
             module.kernels = kernels
 
 

@@ -211,6 +211,33 @@ def test_rms_norm_matches_the_torch_path(ops, dtype, weight_dtype) -> None:  # n
             assert (got == want).float().mean() > 0.95
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_and_mul_rounds_as_torch(ops, dtype) -> None:  # noqa: ANN001
+    """Against transformers' `act_fn(gate) * up` on torch's own kernels, bit for bit (an
+    intermediate size of whole vectors: torch's scalar tail uses another exp), on a
+    strided view as the GEMM's output may be, and against float64 within two roundings."""
+    wide = (torch.randn(37, 2 * 1536 + 64) * 4).to(dtype)
+    gate_up = wide[:, : 2 * 1536]  # rows with a stride beyond their length
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = ops.silu_and_mul(gate_up)
+    assert out.shape == (37, 1536) and out.is_contiguous()
+    assert torch.equal(out, torch.nn.functional.silu(gate) * up)
+    g64, u64 = gate.double(), up.double()
+    exact = g64 * torch.sigmoid(g64) * u64
+    info = torch.finfo(dtype)  # relative error, and float16's subnormal steps near zero
+    bound = (3 * info.eps * (g64 * torch.sigmoid(g64)).abs() + info.smallest_normal) * u64.abs()
+    bound += info.smallest_normal
+    assert ((out.double() - exact).abs() <= bound).all()
+    tail = (torch.randn(3, 2 * 40) * 4).to(dtype)  # 40 = a vector and a masked part
+    got, want = ops.silu_and_mul(tail), torch.nn.functional.silu(tail[:, :40]) * tail[:, 40:]
+    torch.testing.assert_close(got, want, rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+
+
+def test_silu_and_mul_refuses_an_odd_width(ops) -> None:  # noqa: ANN001
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        ops.silu_and_mul(torch.randn(4, 7))
+
+
 # -- the tiled bf16 cache (csrc/paged_attention_tiles.cpp) ---------------------------------
 needs_tiles = pytest.mark.skipif(
     not CpuKernels.tiles_apply(torch.bfloat16, 9, 3, 64, 16),

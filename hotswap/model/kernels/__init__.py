@@ -1,7 +1,7 @@
 """hotswap's own CPU kernels (C++, built once per machine): paged decode attention that
 reads the KV cache in place (over bf16 caches kept in 16-position tiles where the CPU has
-AVX-512 BF16), a GEMV for the rows of a decode step, and fused RMSNorm and
-RoPE. The engine falls back to torch's operators wherever they do not apply or cannot be
+AVX-512 BF16), a GEMV for the rows of a decode step, and fused RMSNorm, RoPE and
+SiLU-and-mul. The engine falls back to torch's operators wherever they do not apply or cannot be
 built."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class CpuKernels:
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_decode_attention_tiles: Callable[..., torch.Tensor]
     write_kv_tiles: Callable[..., None]  # in place, into the caches
+    silu_and_mul: Callable[..., torch.Tensor]
 
     @classmethod
     def load(cls, progress: bool = True) -> CpuKernels | None:
@@ -37,7 +38,7 @@ class CpuKernels:
         ops = torch.ops.hotswap_cpu
         return cls(ops.gemv, ops.rms_norm, ops.add_rms_norm, ops.rotary_embedding,
                    ops.paged_decode_attention, ops.paged_decode_attention_tiles,
-                   ops.write_kv_tiles)  # fmt: skip
+                   ops.write_kv_tiles, ops.silu_and_mul)  # fmt: skip
 
     @staticmethod
     def tiles_apply(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,

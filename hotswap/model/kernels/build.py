@@ -171,3 +171,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hotswap_cpu::rotary_embedding")
     def _(qk, cos, sin):  # noqa: ANN001, ANN202
         return None
+
+    @torch.library.register_fake("hotswap_cpu::silu_and_mul")
+    def _(gate_up):  # noqa: ANN001, ANN202
+        return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)

@@ -147,9 +147,13 @@ class MLP(nn.Module):
         size = spec.intermediate_size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * size, spec.mlp_bias, dtype, invariant)
         self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, invariant)
+        self.kernels: CpuKernels | None = None  # the fused activation when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dim() == 2:
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -42,6 +42,48 @@ inline std::pair<FVec, FVec> load_pair<float>(const float* p) {
   return {FVec::loadu(p), FVec::loadu(p + kLanes)};
 }
 
+// Between float vectors and n (<= kLanes) elements of T. round_to: a float vector rounded
+// to T (to nearest even, as torch casts) and widened back. With AVX-512 BF16, bf16 rounds
+// by the CPU's own conversion (one instruction against at::vec's ~8; it flushes float32
+// denormals, below 1.2e-38, to zero where torch keeps them).
+template <typename T>
+inline FVec widen(const T* p, int64_t n = kLanes) {
+  if constexpr (std::is_same_v<T, float>) {
+    return FVec::loadu(p, n);
+  } else {
+    auto [lo, hi] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p, n));
+    return lo;
+  }
+}
+
+template <typename T>
+inline FVec round_to(const FVec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+#if defined(__AVX512BF16__)
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(v));
+#endif
+  } else {
+    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v));
+    return lo;
+  }
+}
+
+template <typename T>
+inline void narrow(const FVec& v, T* p, int64_t n = kLanes) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p, n);
+#if defined(__AVX512BF16__)
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __mmask16 lanes = n >= kLanes ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+    _mm256_mask_storeu_epi16(p, lanes, (__m256i)_mm512_cvtneps_pbh(v));
+#endif
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, n);
+  }
+}
+
 inline float reduce_sum(FVec v) {
   return at::vec::vec_reduce_all<float>([](FVec& a, FVec& b) { return a + b; }, v);
 }
@@ -66,5 +108,6 @@ at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double ep
 at::Tensor add_rms_norm(const at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                         double eps);
 void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 }  // namespace hotswap

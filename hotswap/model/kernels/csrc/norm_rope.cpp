@@ -11,37 +11,6 @@
 namespace hotswap {
 namespace {
 
-// widen: n elements of T as floats; narrow: floats rounded to T and stored.
-// round_to: a float vector rounded to T and widened back (round to nearest even, as torch casts).
-template <typename T>
-inline FVec round_to(const FVec& v) {
-  if constexpr (std::is_same_v<T, float>) {
-    return v;
-  } else {
-    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v));
-    return lo;
-  }
-}
-
-template <typename T>
-inline FVec widen(const T* p, int64_t n = kLanes) {
-  if constexpr (std::is_same_v<T, float>) {
-    return FVec::loadu(p, n);
-  } else {
-    auto [lo, hi] = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p, n));
-    return lo;
-  }
-}
-
-template <typename T>
-inline void narrow(const FVec& v, T* p, int64_t n = kLanes) {
-  if constexpr (std::is_same_v<T, float>) {
-    v.store(p, n);
-  } else {
-    at::vec::convert_from_float<T>(v, v).store(p, n);
-  }
-}
-
 constexpr int64_t kRowsPerTask = 16;
 
 // y = w * round_W(x * rsqrt(mean(x^2) + eps)): the normalised value is rounded to the

@@ -15,6 +15,8 @@
 //       RMSNorm, after `residual += input` in the fused form (vLLM's fused_add_rms_norm).
 //   rotary_embedding(qk!, cos, sin)
 //       rotate-half RoPE in place.
+//   silu_and_mul(gate_up)
+//       the gated MLP's activation, silu(gate) * up, into a new [tokens, intermediate].
 //
 // Built at run time by hotswap/model/kernels/build.py for this machine's instruction set
 // (AVX-512 with BF16 dot products where present; at::vec's portable vectors otherwise).
@@ -33,6 +35,7 @@ TORCH_LIBRARY(hotswap_cpu, m) {
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
@@ -43,4 +46,5 @@ TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
   m.impl("rms_norm", &hotswap::rms_norm);
   m.impl("add_rms_norm", &hotswap::add_rms_norm);
   m.impl("rotary_embedding", &hotswap::rotary_embedding);
+  m.impl("silu_and_mul", &hotswap::silu_and_mul);
 }
