@@ -93,16 +93,19 @@ class ModelRunner:
         self.residency = WeightResidency(self.model)
 
     def _prepack(self) -> list[PackedWeight]:
-        """Packed copies of the bf16 linear weights, if the fast CPU path runs and one
-        more copy of them fits in memory (half of what is available, at most)."""
+        """Packed copies of the bf16 linear weights, if the fast CPU path runs and the
+        copies fit in memory (half of what is available, at most): oneDNN's, and the AMX
+        kernel's tiles on CPUs that have them."""
         if self.kernels is None or not can_pack():
             return []
-        need = sum(p.numel() * 2 for p in self.model.parameters() if p.dtype == torch.bfloat16)
+        copies = 2 if self.kernels.amx_linear is not None else 1
+        need = copies * sum(p.numel() * 2 for p in self.model.parameters()
+                            if p.dtype == torch.bfloat16)  # fmt: skip
         if need > available_bytes(self.device) // 2:
-            logger.warning("prepack_weights: a packed copy of the weights (%.2f GiB) does not "
+            logger.warning("prepack_weights: packed copies of the weights (%.2f GiB) do not "
                            "fit in memory; GEMMs use the plain weights", need / 2**30)  # fmt: skip
             return []
-        return self.model.prepack()  # ~0.2 s for the default model, paid at start
+        return self.model.prepack(self.kernels)  # ~0.3 s for the default model, at start
 
     def _compile_decode(self, progress: bool) -> CompiledDecode | None:
         """Compiled graphs for decode steps of a few sequences, on the fast CPU path,

@@ -308,3 +308,51 @@ def test_tiled_ops_refuse_bad_tables_and_slots(ops) -> None:  # noqa: ANN001
     with pytest.raises(RuntimeError, match="slot 100000 is not in the cache"):
         ops.write_kv_tiles(new, new, k_tiles, v_tiles, torch.tensor([0, 100_000]))
     assert torch.equal(k_tiles, before)  # checked before any write
+
+
+# -- AMX linear layers (csrc/amx_linear.cpp) -------------------------------------------------
+def amx_or_skip(ops):  # noqa: ANN001, ANN201
+    if not ops.amx_available():
+        pytest.skip("no AMX tiles on this CPU or in this build")
+    return ops
+
+
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64])
+def test_amx_linear_against_float64(ops, rows) -> None:  # noqa: ANN001
+    """Every row as alone (bit for bit), within float32 sums and one bf16 rounding of the
+    float64 product; the bias added before the rounding."""
+    amx_or_skip(ops)
+    weight = torch.randn(96, 608).to(torch.bfloat16)  # 3 output pairs, 19 K slices
+    bias = torch.randn(96).to(torch.bfloat16)
+    x = torch.randn(rows, 608).to(torch.bfloat16)
+    packed = ops.amx_pack_weight(weight)
+    out = ops.amx_linear(x, packed, bias)
+    exact = x.double() @ weight.double().T + bias.double()
+    scale = (x.double().abs() @ weight.double().abs().T) + bias.double().abs()
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    assert ((out.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-5 * scale).all()
+    for r in {0, rows // 2, rows - 1}:
+        assert torch.equal(ops.amx_linear(x[r : r + 1], packed, bias)[0], out[r])
+
+
+def test_amx_linear_without_bias_and_on_strided_rows(ops) -> None:  # noqa: ANN001
+    amx_or_skip(ops)
+    weight = torch.randn(64, 64).to(torch.bfloat16)
+    wide = torch.randn(20, 96).to(torch.bfloat16)
+    x = wide[:, :64]  # rows with a stride beyond their length
+    out = ops.amx_linear(x, ops.amx_pack_weight(weight), None)
+    exact = x.double() @ weight.double().T
+    assert ((out.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-4).all()
+
+
+def test_amx_linear_refuses_what_it_cannot_take(ops) -> None:  # noqa: ANN001
+    amx_or_skip(ops)
+    with pytest.raises(RuntimeError, match="multiples of 32"):
+        ops.amx_pack_weight(torch.randn(48, 64).to(torch.bfloat16))
+    packed = ops.amx_pack_weight(torch.randn(64, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="features"):
+        ops.amx_linear(torch.randn(4, 32).to(torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        ops.amx_linear(
+            torch.randn(4, 64).to(torch.bfloat16), packed, torch.randn(63).to(torch.bfloat16)
+        )

@@ -29,6 +29,9 @@ class CpuKernels:
     paged_decode_attention_tiles: Callable[..., torch.Tensor]
     write_kv_tiles: Callable[..., None]  # in place, into the caches
     silu_and_mul: Callable[..., torch.Tensor]
+    # AMX linear layers (None where the build or the process has no AMX tiles)
+    amx_pack_weight: Callable[..., torch.Tensor] | None
+    amx_linear: Callable[..., torch.Tensor] | None
 
     @classmethod
     def load(cls, progress: bool = True) -> CpuKernels | None:
@@ -36,9 +39,11 @@ class CpuKernels:
         if not load_cpu_kernels(progress):
             return None
         ops = torch.ops.hotswap_cpu
+        amx = (ops.amx_pack_weight, ops.amx_linear) if ops.amx_available() else (None, None)
         return cls(ops.gemv, ops.rms_norm, ops.add_rms_norm, ops.rotary_embedding,
                    ops.paged_decode_attention, ops.paged_decode_attention_tiles,
-                   ops.write_kv_tiles, ops.silu_and_mul)  # fmt: skip
+                   ops.write_kv_tiles, ops.silu_and_mul,
+                   *amx)  # fmt: skip
 
     @staticmethod
     def tiles_apply(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,

@@ -40,6 +40,8 @@ def isa_flags() -> list[str]:
         flags = ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
         if torch.cpu._is_avx512_bf16_supported():
             flags.append("-mavx512bf16")
+            if torch.cpu._is_amx_tile_supported():  # AMX tiles come with their bf16 products
+                flags += ["-mamx-tile", "-mamx-bf16"]
         return [*flags, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     if capability == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
@@ -171,6 +173,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hotswap_cpu::rotary_embedding")
     def _(qk, cos, sin):  # noqa: ANN001, ANN202
         return None
+
+    @torch.library.register_fake("hotswap_cpu::amx_linear")
+    def _(input, packed, bias):  # noqa: ANN001, ANN202, A002
+        return input.new_empty(input.shape[0], packed.shape[0] * 32)
 
     @torch.library.register_fake("hotswap_cpu::silu_and_mul")
     def _(gate_up):  # noqa: ANN001, ANN202

@@ -278,18 +278,19 @@ class LlamaForCausalLM(nn.Module):
         use_kernels(self, kernels)
         self.matvec = kernels.gemv if kernels is not None else None
 
-    def prepack(self) -> list[PackedWeight]:
-        """Give every bf16 linear layer and the LM head a packed copy, made now (not inside
-        the first large step); returns them, for the runner to invalidate when the weights
-        change (a step that needs one then repacks it)."""
+    def prepack(self, kernels: CpuKernels | None = None) -> list[PackedWeight]:
+        """Give every bf16 linear layer and the LM head packed copies (with `kernels`' AMX
+        tiles where they apply), made now (not inside the first large step); returns them,
+        for the runner to invalidate when the weights change (a step that needs one then
+        repacks it)."""
         holders = []
         for module in self.modules():
             if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
-                module.packed = PackedWeight()
+                module.packed = PackedWeight(kernels)
                 module.packed.pack(module.weight)
                 holders.append(module.packed)
         if self.lm_head_weight.dtype == torch.bfloat16:
-            self.head_packed = PackedWeight()
+            self.head_packed = PackedWeight(kernels)
             self.head_packed.pack(self.lm_head_weight)
             holders.append(self.head_packed)
         return holders

@@ -109,5 +109,9 @@ at::Tensor add_rms_norm(const at::Tensor& input, at::Tensor& residual, const at:
                         double eps);
 void rotary_embedding(at::Tensor& qk, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+bool amx_linear_built();
+at::Tensor amx_pack_weight(const at::Tensor& weight);
+at::Tensor amx_linear(const at::Tensor& input, const at::Tensor& packed,
+                      const c10::optional<at::Tensor>& bias);
 
 }  // namespace hotswap

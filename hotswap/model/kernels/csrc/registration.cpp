@@ -15,6 +15,10 @@
 //       RMSNorm, after `residual += input` in the fused form (vLLM's fused_add_rms_norm).
 //   rotary_embedding(qk!, cos, sin)
 //       rotate-half RoPE in place.
+//   amx_available(), amx_pack_weight(weight), amx_linear(input, packed, bias)
+//       bf16 linear layers for decode-sized batches on AMX tiles, over a weight packed
+//       for them (amx_linear.cpp); amx_available says whether this build and process
+//       have the tiles.
 //   silu_and_mul(gate_up)
 //       the gated MLP's activation, silu(gate) * up, into a new [tokens, intermediate].
 //
@@ -36,6 +40,9 @@ TORCH_LIBRARY(hotswap_cpu, m) {
   m.def("add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("amx_available() -> bool", &hotswap::amx_linear_built);
+  m.def("amx_pack_weight(Tensor weight) -> Tensor");
+  m.def("amx_linear(Tensor input, Tensor packed, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
@@ -47,4 +54,6 @@ TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
   m.impl("add_rms_norm", &hotswap::add_rms_norm);
   m.impl("rotary_embedding", &hotswap::rotary_embedding);
   m.impl("silu_and_mul", &hotswap::silu_and_mul);
+  m.impl("amx_pack_weight", &hotswap::amx_pack_weight);
+  m.impl("amx_linear", &hotswap::amx_linear);
 }
