@@ -31,7 +31,7 @@ from vs_vllm import read_bandwidth_gbps  # the roofline's measure: one definitio
 from hotswap.model.attention import CacheSpec, TorchPagedAttention, build_metadata, write_kv
 from hotswap.model.attention_kernel import PagedKernelAttention
 from hotswap.model.kernels import CpuKernels
-from hotswap.model.packed import PackedWeight, can_pack
+from hotswap.model.packed import TILES_MAX_ROWS, PackedWeight, can_pack, tiles_apply
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, 30 layers, vocab 49152.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, VOCAB = 576, 9, 3, 64, 1536, 30, 49152
@@ -58,11 +58,14 @@ def step_weights() -> list[torch.Tensor]:
 def bench_linear(kernels: CpuKernels, repeats: int) -> None:
     weights = step_weights()
     nbytes = sum(w.numel() * 2 for w in weights)
-    packed = [PackedWeight() for _ in weights] if can_pack() else None
+    # oneDNN's packed copies alone, and the engine's (AMX tiles too, where they apply)
+    onednn = [PackedWeight() for _ in weights] if can_pack() else None
+    engine = [PackedWeight(kernels) for _ in weights] if can_pack() else None
+    amx = engine is not None and all(tiles_apply(kernels, w) for w in weights)
     print(f"\nlinear layers of one step ({nbytes / 1e6:.0f} MB of bf16 weights); "
           f"copy bandwidth {read_bandwidth_gbps():.1f} GB/s")  # fmt: skip
-    print(f"{'rows':>5} {'F.linear ms':>12} {'hotswap ms':>11} {'speed-up':>9} {'path':>8} "
-          f"{'GB/s':>6}")  # fmt: skip
+    print(f"{'rows':>5} {'F.linear ms':>12} {'oneDNN packed ms':>17} {'hotswap ms':>11} "
+          f"{'speed-up':>9} {'path':>8} {'GB/s':>6}")  # fmt: skip
 
     def run(rows: int, fn: Callable[[torch.Tensor, int], torch.Tensor]) -> float:
         inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=torch.bfloat16)
@@ -71,16 +74,18 @@ def bench_linear(kernels: CpuKernels, repeats: int) -> None:
             lambda: [fn(inputs[w.shape[1]], i) for i, w in enumerate(weights)], repeats
         )
 
-    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+    for rows in (1, 2, 4, 8, 16, 32, 48, 64, 128):
         base = run(rows, lambda x, i: F.linear(x, weights[i]))
+        if onednn is None:
+            continue
+        library = run(rows, lambda x, i: onednn[i].linear(x, weights[i], None))
         if rows <= 8:
             ours, path = run(rows, lambda x, i: kernels.gemv(x, weights[i])), "GEMV"
-        elif packed is not None:
-            ours, path = run(rows, lambda x, i: packed[i].linear(x, weights[i], None)), "packed"
         else:
-            continue
-        print(f"{rows:5d} {1000 * base:12.2f} {1000 * ours:11.2f} {base / ours:8.2f}x "
-              f"{path:>8} {nbytes / ours / 1e9:6.1f}")  # fmt: skip
+            ours = run(rows, lambda x, i: engine[i].linear(x, weights[i], None))
+            path = "AMX" if amx and rows <= TILES_MAX_ROWS else "oneDNN"
+        print(f"{rows:5d} {1000 * base:12.2f} {1000 * library:17.2f} {1000 * ours:11.2f} "
+              f"{base / ours:8.2f}x {path:>8} {nbytes / ours / 1e9:6.1f}")  # fmt: skip
 
 
 def bench_attention(kernels: CpuKernels, repeats: int, batch: int) -> None:

@@ -104,3 +104,28 @@ def test_a_weight_round_repacks(models, expected) -> None:  # noqa: ANN001
         llm.engine.runner.model.model.layers[0].mlp.down_proj.weight,
         load_file(path)["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16),
     )
+
+
+def test_amx_tiles_serve_up_to_their_row_limit_and_are_derived() -> None:
+    """Where the AMX kernel is built, batches of up to TILES_MAX_ROWS rows read its tiles
+    and larger ones oneDNN's copy; both copies go with `invalidate`, and a batch remakes
+    only the one it reads."""
+    from hotswap.model.kernels import CpuKernels
+    from hotswap.model.packed import TILES_MAX_ROWS, PackedWeight
+
+    kernels = CpuKernels.load(progress=False)
+    if kernels is None or kernels.amx_linear is None or not can_pack():
+        pytest.skip("no AMX kernel or oneDNN packing on this CPU")
+    weight = torch.randn(96, 128).to(torch.bfloat16)
+    holder = PackedWeight(kernels)
+    holder.pack(weight)
+    tiles = kernels.amx_pack_weight(weight)
+    small = torch.randn(TILES_MAX_ROWS, 128).to(torch.bfloat16)
+    large = torch.randn(TILES_MAX_ROWS + 1, 128).to(torch.bfloat16)
+    assert torch.equal(holder.linear(small, weight, None), kernels.amx_linear(small, tiles, None))
+    onednn = PackedWeight()  # oneDNN's copy alone
+    assert torch.equal(holder.linear(large, weight, None), onednn.linear(large, weight, None))
+    holder.invalidate()
+    assert holder.nbytes == 0
+    holder.linear(small[:3], weight, None)
+    assert holder.nbytes == weight.numel() * 2  # the tiles only: a permutation of the weight
