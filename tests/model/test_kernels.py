@@ -132,15 +132,21 @@ def test_gemv_refuses_mismatched_shapes(ops) -> None:  # noqa: ANN001
         ops.gemv(torch.zeros(1, 8), torch.zeros(4, 9))
 
 
-def test_engine_decode_through_the_kernels_matches_prefill_scores(ops, tiny_model_factory) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("batch", [4, 16], ids=["gemv", "amx-or-packed"])
+def test_engine_decode_through_the_kernels_matches_prefill_scores(
+    ops,
+    tiny_model_factory,
+    batch: int,  # noqa: ANN001
+) -> None:
     """bf16, head size 64, blocks of 16: the fast paths. Each greedy token's logprob as
-    decoded (paged kernel + GEMV, one token per step) equals, within bf16 rounding, its
-    logprob when the whole sequence is scored at once by torch's SDPA and GEMM path."""
+    decoded (paged kernel, fused activation, and the GEMV for up to 8 rows or the AMX /
+    packed GEMMs beyond, one token per step) equals, within bf16 rounding, its logprob
+    when the whole sequence is scored at once by torch's SDPA and GEMM path."""
     from hotswap import LLM, SamplingParams
 
     model_dir = tiny_model_factory("llama", hidden_size=256, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=512)  # fmt: skip
-    prompts = [[5 + i, 17, 99, 23 + 3 * i, 7] * (2 + i) for i in range(4)]
+    prompts = [[5 + i, 17, 99, 23 + 3 * i, 7] * (2 + i % 4) for i in range(batch)]
     fast = LLM(str(model_dir), dtype="bfloat16", block_size=16, progress=False)
     assert fast.engine.runner.kernels
     decoded = fast.generate(prompts, SamplingParams(temperature=0, max_tokens=20, logprobs=0,
