@@ -31,7 +31,7 @@ from vs_vllm import read_bandwidth_gbps  # the roofline's measure: one definitio
 from hotswap.model.attention import CacheSpec, TorchPagedAttention, build_metadata, write_kv
 from hotswap.model.attention_kernel import PagedKernelAttention
 from hotswap.model.kernels import CpuKernels
-from hotswap.model.packed import TILES_MAX_ROWS, PackedWeight, can_pack, tiles_apply
+from hotswap.model.packed import TILES_MAX_ROWS, PackedWeight, can_pack, packed_copy, tiles_apply
 
 # SmolLM2-135M: hidden 576, 9 heads / 3 KV heads of 64, MLP 1536, 30 layers, vocab 49152.
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, VOCAB = 576, 9, 3, 64, 1536, 30, 49152
@@ -60,7 +60,7 @@ def bench_linear(kernels: CpuKernels, repeats: int) -> None:
     nbytes = sum(w.numel() * 2 for w in weights)
     # oneDNN's packed copies alone, and the engine's (AMX tiles too, where they apply)
     onednn = [PackedWeight() for _ in weights] if can_pack() else None
-    engine = [PackedWeight(kernels) for _ in weights] if can_pack() else None
+    engine = [packed_copy(w, kernels) for w in weights] if can_pack() else None
     amx = engine is not None and all(tiles_apply(kernels, w) for w in weights)
     print(f"\nlinear layers of one step ({nbytes / 1e6:.0f} MB of bf16 weights); "
           f"copy bandwidth {read_bandwidth_gbps():.1f} GB/s")  # fmt: skip

@@ -75,28 +75,37 @@ def tiles_apply(kernels: CpuKernels | None, weight: torch.Tensor) -> bool:
     )
 
 
+def packed_copy(weight: torch.Tensor, kernels: CpuKernels | None = None) -> PackedWeight:
+    """`weight`'s packed copies, made now: oneDNN's, and the AMX tiles where `kernels`
+    serve this weight (decided here once, not in every step)."""
+    holder = PackedWeight(kernels if tiles_apply(kernels, weight) else None)
+    holder.pack(weight)
+    return holder
+
+
 class PackedWeight:
     """One weight's packed copies (`pack`), remade on first use after `invalidate`:
-    oneDNN's, and the AMX kernel's tiles when `kernels` has them and the shape fits."""
+    oneDNN's, and the AMX kernel's tiles when given `tile_kernels` (made by
+    `packed_copy`, which checks that they serve the weight)."""
 
-    __slots__ = ("_packed", "_tiles", "_kernels")
+    __slots__ = ("_packed", "_tiles", "_tile_kernels")
 
-    def __init__(self, kernels: CpuKernels | None = None) -> None:
+    def __init__(self, tile_kernels: CpuKernels | None = None) -> None:
         self._packed: torch.Tensor | None = None
         self._tiles: torch.Tensor | None = None
-        self._kernels = kernels
+        self._tile_kernels = tile_kernels
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if x.shape[0] <= TILES_MAX_ROWS and tiles_apply(self._kernels, weight):
-            return self._kernels.amx_linear(x, self.tiles(weight), bias)
+        if self._tile_kernels is not None and x.shape[0] <= TILES_MAX_ROWS:
+            return self._tile_kernels.amx_linear(x, self.tiles(weight), bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn(weight), bias, "none", [], "")
 
     def pack(self, weight: torch.Tensor) -> None:
         """Make every copy `weight` uses now, if it has none."""
         self.onednn(weight)
-        if tiles_apply(self._kernels, weight):
+        if self._tile_kernels is not None:
             self.tiles(weight)
 
     def onednn(self, weight: torch.Tensor) -> torch.Tensor:
@@ -106,7 +115,7 @@ class PackedWeight:
 
     def tiles(self, weight: torch.Tensor) -> torch.Tensor:
         if self._tiles is None:
-            self._tiles = self._kernels.amx_pack_weight(weight)
+            self._tiles = self._tile_kernels.amx_pack_weight(weight)
         return self._tiles
 
     def invalidate(self) -> None:

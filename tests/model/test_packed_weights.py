@@ -111,14 +111,13 @@ def test_amx_tiles_serve_up_to_their_row_limit_and_are_derived() -> None:
     and larger ones oneDNN's copy; both copies go with `invalidate`, and a batch remakes
     only the one it reads."""
     from hotswap.model.kernels import CpuKernels
-    from hotswap.model.packed import TILES_MAX_ROWS, PackedWeight
+    from hotswap.model.packed import TILES_MAX_ROWS, PackedWeight, packed_copy
 
     kernels = CpuKernels.load(progress=False)
     if kernels is None or kernels.amx_linear is None or not can_pack():
         pytest.skip("no AMX kernel or oneDNN packing on this CPU")
     weight = torch.randn(96, 128).to(torch.bfloat16)
-    holder = PackedWeight(kernels)
-    holder.pack(weight)
+    holder = packed_copy(weight, kernels)
     tiles = kernels.amx_pack_weight(weight)
     small = torch.randn(TILES_MAX_ROWS, 128).to(torch.bfloat16)
     large = torch.randn(TILES_MAX_ROWS + 1, 128).to(torch.bfloat16)

@@ -1,8 +1,8 @@
 """hotswap's own CPU kernels (C++, built once per machine): paged decode attention that
 reads the KV cache in place (over bf16 caches kept in 16-position tiles where the CPU has
-AVX-512 BF16), a GEMV for the rows of a decode step, and fused RMSNorm, RoPE and
-SiLU-and-mul. The engine falls back to torch's operators wherever they do not apply or cannot be
-built."""
+AVX-512 BF16), a GEMV for the few rows of a decode step, AMX linear layers for some tens
+of rows, and fused RMSNorm, RoPE and SiLU-and-mul. The engine falls back to torch's
+operators wherever they do not apply or cannot be built."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ import torch
 from hotswap.model.kernels.build import isa_flags, load_cpu_kernels
 
 __all__ = ["CpuKernels", "load_cpu_kernels"]
+
+# Query heads per kv head the tiled decode kernel is built for (kMaxTileGroup in
+# csrc/common.h).
+MAX_TILE_GROUP = 8
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class CpuKernels:
             dtype == torch.bfloat16
             and head_dim in (64, 128)
             and heads % kv_heads == 0
-            and heads // kv_heads <= 8
+            and heads // kv_heads <= MAX_TILE_GROUP
             and block_size % 16 == 0
             and "-mavx512bf16" in isa_flags()
         )

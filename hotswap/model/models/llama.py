@@ -29,7 +29,7 @@ from hotswap.model.layers import (
     tiled_linear,
     use_kernels,
 )
-from hotswap.model.packed import PackedWeight
+from hotswap.model.packed import PackedWeight, packed_copy
 
 
 @dataclass(frozen=True)
@@ -286,12 +286,10 @@ class LlamaForCausalLM(nn.Module):
         holders = []
         for module in self.modules():
             if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16:
-                module.packed = PackedWeight(kernels)
-                module.packed.pack(module.weight)
+                module.packed = packed_copy(module.weight, kernels)
                 holders.append(module.packed)
         if self.lm_head_weight.dtype == torch.bfloat16:
-            self.head_packed = PackedWeight(kernels)
-            self.head_packed.pack(self.lm_head_weight)
+            self.head_packed = packed_copy(self.lm_head_weight, kernels)
             holders.append(self.head_packed)
         return holders
 

@@ -92,7 +92,8 @@ inline float reduce_sum(FVec v) {
 void check_block_tables(const at::Tensor& tables, const at::Tensor& lens, int64_t num_blocks,
                         int64_t block_size);
 
-// Query heads per kv head the tiled decode kernel is built for.
+// Query heads per kv head the tiled decode kernel is built for (MAX_TILE_GROUP in
+// kernels/__init__.py).
 constexpr int64_t kMaxTileGroup = 8;
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
