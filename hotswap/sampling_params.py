@@ -5,9 +5,68 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Protocol
+
+from hotswap.errors import InvalidArgument
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top-k per token, sampled or prompt
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint on what the request generates.
+    `json`: a JSON schema (object or its JSON text); `regex`; `choice`: one of these
+    strings; `grammar`: Lark or GBNF/EBNF text; `json_object`: any JSON object. Compiled by
+    llguidance (`hotswap.structured_output`) and applied as a token mask at every step."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    # The constraint applies once the output ends with these token ids (a reasoning
+    # parser's end of thinking: as vLLM, only the answer after the thinking is
+    # constrained); None or empty: from the first token.
+    start_after_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINT_KINDS if getattr(self, name) not in (None, False)]
+        _require(
+            len(given) == 1,
+            "structured_outputs",
+            f"exactly one of {', '.join(CONSTRAINT_KINDS)} must be set, got "
+            f"{', '.join(given) or 'none'}",
+        )
+        kind = given[0]
+        value = getattr(self, kind)
+        if kind == "choice":
+            _require(
+                isinstance(value, list) and bool(value) and all(isinstance(c, str) for c in value),
+                "structured_outputs.choice",
+                "must be a non-empty list of strings",
+            )
+        elif kind in ("regex", "grammar"):
+            _require(
+                isinstance(value, str) and bool(value),
+                f"structured_outputs.{kind}",
+                "must be a non-empty string",
+            )
+        elif kind == "json":
+            _require(
+                isinstance(value, (str, dict)),
+                "structured_outputs.json",
+                "must be a JSON schema (an object or its JSON text)",
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in CONSTRAINT_KINDS if getattr(self, n) not in (None, False))
+
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class RequestOutputKind(Enum):
@@ -45,6 +104,14 @@ class SamplingParams:
     # Abort (finish_reason "abort") instead of straddling more than this many weight
     # commits after the request's first token; None: no bound.
     max_weight_lag: int | None = None
+    # vLLM's logits controls: a bias added to the logit of each token id (clamped to
+    # [-100, 100] by the API, as vLLM's), the only token ids that may be sampled, and words
+    # that must not be generated (their token sequences, from `resolve_bad_words`).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -106,6 +173,48 @@ class SamplingParams:
                 f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
             )
         self._validate_penalties()
+        self._validate_logits_controls()
+
+    def _validate_logits_controls(self) -> None:
+        bias = self.logit_bias
+        _require(
+            bias is None
+            or (
+                isinstance(bias, dict)
+                and all(_is_int(t) and t >= 0 and _is_finite(v) for t, v in bias.items())
+            ),
+            "logit_bias",
+            "must map non-negative token ids to finite numbers",
+        )
+        allowed = self.allowed_token_ids
+        _require(
+            allowed is None or (bool(allowed) and all(_is_int(t) and t >= 0 for t in allowed)),
+            "allowed_token_ids",
+            "must be a non-empty list of non-negative token ids",
+        )
+        _require(
+            self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
+            "bad_words",
+            "must be non-empty strings",
+        )
+        _require(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams",
+        )
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Token ids named by the request must exist in the model's vocabulary (vLLM's
+        check): raises InvalidArgument naming the field."""
+        for name, ids in (
+            ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                message = f"{name}: out-of-vocabulary token ids {bad[:5]} (vocab {vocab_size})"
+                raise InvalidArgument(name, message)
 
     def _validate_penalties(self) -> None:
         _require(
@@ -140,6 +249,10 @@ class SamplingParams:
             )
 
     @property
+    def has_logits_controls(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
@@ -157,6 +270,28 @@ class SamplingParams:
         # The prompt is the same for every choice: the first one scores it.
         prompt_logprobs = self.prompt_logprobs if index == 0 else None
         return replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer: _Encoder) -> None:
+    """vLLM's tokenization of `bad_words`: each word as it would start the text and, where
+    that differs in a way that still ends on the same number of tokens, as it would follow
+    a space (so that it is banned at the start and in the middle). Sets
+    `bad_words_token_ids`; a no-op without bad words or when they are resolved already."""
+    if not params.bad_words or params.bad_words_token_ids is not None:
+        return
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if bare:
+            sequences.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    params.bad_words_token_ids = sequences
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -22,7 +22,13 @@ from hotswap.engine.dp_client import DPEngineClient
 from hotswap.engine.errors import EngineDeadError, EngineStateError, InvalidArgument
 from hotswap.engine.messages import CallError, EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.output_processor import OutputProcessor
-from hotswap.engine.prompts import Prompt, check_prompt, encode_prompt, prompt_cache_salt
+from hotswap.engine.prompts import (
+    Prompt,
+    check_prompt,
+    encode_prompt,
+    prepare_params,
+    prompt_cache_salt,
+)
 from hotswap.engine.verbs import Args, make_args
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
@@ -94,6 +100,7 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = encode_prompt(self.tokenizer, prompt)
         check_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
+        prepare_params(params, self.tokenizer, self.config.model.vocab_size)
         salt = prompt_cache_salt(prompt)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream

@@ -15,7 +15,7 @@ from hotswap.engine.core import EngineCore
 from hotswap.engine.handlers import run_now
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine.output_processor import OutputProcessor
-from hotswap.engine.prompts import Prompt, encode_prompt, prompt_cache_salt
+from hotswap.engine.prompts import Prompt, encode_prompt, prepare_params, prompt_cache_salt
 from hotswap.engine.verbs import make_args
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
@@ -63,6 +63,7 @@ class LLM:
         requests = [encode_prompt(self.tokenizer, p) for p in prompt_list]
         salts = [prompt_cache_salt(p) for p in prompt_list]
         for (_, ids), params in zip(requests, params_list):  # refuse bad input before adding any
+            prepare_params(params, self.tokenizer, self.engine.vocab_size)
             self.engine.validate_request(EngineCoreRequest("validate", ids, params))
         order = []
         for (text, ids), params, salt in zip(requests, params_list, salts):

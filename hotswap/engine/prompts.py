@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from hotswap.errors import InvalidArgument
+from hotswap.sampling_params import SamplingParams, resolve_bad_words
+from hotswap.structured_output import check_grammar
 from hotswap.tokenizer import Tokenizer
 
 # A prompt: text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}, either dict
@@ -59,3 +61,13 @@ def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def prepare_params(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> None:
+    """The front-end's checks and derivations of a request's sampling params, before the
+    engine sees them: token ids in the vocabulary, bad words as token sequences, the
+    structured-output constraint compilable (InvalidArgument naming the field)."""
+    params.check_token_ids(vocab_size)
+    resolve_bad_words(params, tokenizer)
+    if params.structured_outputs is not None:
+        check_grammar(params.structured_outputs)

@@ -8,6 +8,7 @@ import time
 import torch
 
 from hotswap.sampling_params import SamplingParams
+from hotswap.structured_output import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +75,9 @@ class Request:
         # the first output token.
         self.prompt_logprobs: list = []
         self.prompt_logprobs_sent = False
+        # Structured outputs: the grammar's position, advanced by every appended token
+        # (set by the engine core when the request asks for a constraint).
+        self.grammar: GrammarMatcher | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -97,6 +101,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def reset_for_recompute(self) -> None:
         """Forget computed KV (preemption, cache drop); the tokens themselves are kept."""

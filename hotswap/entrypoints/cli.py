@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from hotswap.config import DEFAULT_KV_CACHE_BYTES
+
+if TYPE_CHECKING:
+    from hotswap.entrypoints.state import ServerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +212,37 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_agentic_args(group)
     add_limit_args(group)
+
+
+def add_agentic_args(group: argparse._ArgumentGroup) -> None:
+    """vLLM's tool-calling and reasoning flags (parsers by vLLM's names)."""
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"; needs --tool-call-parser)',
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls are read from the model's text: hermes (Qwen2.5/Qwen3), "
+        "qwen3_coder, llama3_json, pythonic",
+    )
+    group.add_argument(
+        "--structured-outputs-config",
+        default=None,
+        metavar="JSON",
+        help="defaults for every constraint, e.g. '{\"disable_any_whitespace\": true}' "
+        "(vLLM's flag; backend: auto or guidance, hotswap uses llguidance)",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split the model's thinking into `reasoning`: qwen3, deepseek_r1",
+    )
 
 
 def add_limit_args(group: argparse._ArgumentGroup) -> None:
@@ -247,6 +281,7 @@ def run_serve(args: argparse.Namespace) -> None:
     from hotswap.default_model import DEFAULT_MODEL_NAME
     from hotswap.entrypoints.api_server import run_server
     from hotswap.entrypoints.state import ServerConfig
+    from hotswap.structured_output import StructuredOutputsConfig
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"model: given twice ({args.model_tag!r} and --model {args.model!r})")
@@ -265,7 +300,12 @@ def run_serve(args: argparse.Namespace) -> None:
         max_request_body_bytes=args.max_request_body_bytes,
         trust_request_chat_template=args.trust_request_chat_template,
         reject_unknown_fields=args.reject_unknown_fields,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        structured_outputs=StructuredOutputsConfig.from_json(args.structured_outputs_config),
     )
+    check_parsers(config)
     if args.max_request_body_bytes < 1:
         raise ValueError("--max-request-body-bytes: must be at least 1")
     kwargs = engine_kwargs(args)
@@ -274,6 +314,20 @@ def run_serve(args: argparse.Namespace) -> None:
             kwargs.get("weight_transfer_config"), args.allowed_master_addresses
         )
     run_server(config, model, kwargs)
+
+
+def check_parsers(config: ServerConfig) -> None:
+    """vLLM's start-up checks: known parser names; auto tool choice needs a parser."""
+    from hotswap.entrypoints.openai.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    for flag, name, known in (
+        ("--tool-call-parser", config.tool_call_parser, TOOL_PARSERS),
+        ("--reasoning-parser", config.reasoning_parser, REASONING_PARSERS),
+    ):
+        if name is not None and name not in known:
+            raise ValueError(f"{flag}: unknown parser {name!r} (known: {', '.join(sorted(known))})")
+    if config.enable_auto_tool_choice and config.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice: requires --tool-call-parser")
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from hotswap.entrypoints.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from hotswap.structured_output import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from hotswap.engine.async_llm import AsyncLLM
@@ -32,6 +33,12 @@ class ServerConfig:
     # Unknown request fields: ignored with a logged warning as vLLM does (False), or
     # refused with 400 naming the field (True, --reject-unknown-fields).
     reject_unknown_fields: bool = False
+    # vLLM's tool calling and reasoning flags: tool_choice "auto" needs both of the first
+    # two; the parsers are named as vLLM names them (parsers.TOOL_PARSERS / REASONING_PARSERS).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
 
 
 def get_engine(request: Request) -> AsyncLLM:

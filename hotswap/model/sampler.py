@@ -1,8 +1,10 @@
 """Turns the logits of the rows that sample this step into tokens (and logprobs).
 
-The pipeline is vLLM's: raw logits -> min_tokens suppression and penalties -> (greedy:
-argmax) temperature -> min-p -> top-k -> top-p -> draw. `logprobs_mode` says which of
-those distributions logprobs report: `raw_*` the model's own (before any processing),
+The pipeline is vLLM's: the grammar mask of structured outputs (before anything else, as
+vLLM applies it to the model's logits) -> raw logits -> allowed_token_ids, bad_words,
+min_tokens suppression, logit_bias and penalties -> (greedy: argmax) temperature -> min-p
+-> top-k -> top-p -> draw. `logprobs_mode` says which of those distributions logprobs
+report: `raw_*` the model's own (with the grammar mask, as vLLM's),
 `processed_*` the one the token was actually drawn from (masked tokens are -inf), which is
 what an RL trainer's importance ratio needs. Greedy rows report the processed logits at
 temperature 1, as vLLM does.
@@ -28,6 +30,7 @@ import torch
 
 from hotswap.config import check_logprobs_mode
 from hotswap.model.step import SamplingRequest
+from hotswap.structured_output import GrammarMatcher, apply_bitmasks, fill_bitmasks
 
 
 @dataclass
@@ -54,6 +57,10 @@ class SamplingBatch:
     min_p: torch.Tensor  # [R]
     suppressed: list[tuple[int, list[int]]]  # (row, token ids) banned by min_tokens
     penalized: list[int]  # rows with a repetition, presence or frequency penalty
+    controlled: list[int] = field(default_factory=list)  # logit_bias, allowed/bad tokens
+    # rows of structured-output requests whose grammar still constrains them, and theirs
+    grammar_rows: list[int] = field(default_factory=list)
+    grammars: list[GrammarMatcher] = field(default_factory=list)
 
     @classmethod
     def from_requests(
@@ -70,7 +77,14 @@ class SamplingBatch:
             min_p=torch.tensor([p.min_p for p in params], device=device),
             suppressed=[(row, ids) for row, r in enumerate(requests) if (ids := _banned_tokens(r))],
             penalized=[row for row, p in enumerate(params) if p.has_penalties],
+            controlled=[row for row, p in enumerate(params) if p.has_logits_controls],
+            **_grammar_rows(requests),
         )
+
+
+def _grammar_rows(requests: list[SamplingRequest]) -> dict[str, list]:
+    pairs = [(row, g) for row, r in enumerate(requests) if (g := r.grammar) and g.constrains]
+    return {"grammar_rows": [p[0] for p in pairs], "grammars": [p[1] for p in pairs]}
 
 
 def _banned_tokens(request: SamplingRequest) -> list[int]:
@@ -90,6 +104,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         wanted = [i for i, r in enumerate(batch.requests) if r.sampling_params.logprobs is not None]
+        if batch.grammars:
+            apply_bitmasks(
+                logits, batch.grammar_rows, fill_bitmasks(batch.grammars, logits.shape[-1])
+            )
         raw = self.logprobs_mode.startswith("raw")
         reported = _as_mode(logits[wanted], self.logprobs_mode) if wanted and raw else None
         logits = process_logits(logits, batch)
@@ -199,13 +217,49 @@ def _last_positive(values: torch.Tensor) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """min_tokens suppression and penalties, in place: what greedy rows take the argmax
-    of and random rows scale by their temperature."""
+    """allowed_token_ids, bad_words, min_tokens suppression, logit_bias and penalties, in
+    place (vLLM's order): what greedy rows take the argmax of and random rows scale by
+    their temperature."""
+    for row in batch.controlled:
+        _restrict_tokens(logits, row, batch.requests[row])
     for row, ids in batch.suppressed:
         logits[row, ids] = float("-inf")
+    for row in batch.controlled:
+        _add_logit_bias(logits, row, batch.requests[row])
     for row in batch.penalized:
         logits[row] = apply_penalties(logits[row], batch.requests[row])
     return logits
+
+
+def _restrict_tokens(logits: torch.Tensor, row: int, request: SamplingRequest) -> None:
+    """allowed_token_ids: every other token -inf; bad_words: the last token of each bad
+    word whose other tokens the output ends with -inf (vLLM's semantics)."""
+    params = request.sampling_params
+    if params.allowed_token_ids:
+        keep = torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)
+        kept = logits[row, keep]
+        logits[row] = float("-inf")
+        logits[row, keep] = kept
+    output = request.output_token_ids
+    banned = [
+        word[-1]
+        for word in params.bad_words_token_ids or ()
+        if len(word) == 1 or (len(output) >= len(word) - 1 and _ends_with(output, word[:-1]))
+    ]
+    if banned:
+        logits[row, banned] = float("-inf")
+
+
+def _ends_with(tokens: list[int], suffix: list[int]) -> bool:
+    return tokens[len(tokens) - len(suffix) :] == suffix
+
+
+def _add_logit_bias(logits: torch.Tensor, row: int, request: SamplingRequest) -> None:
+    bias = request.sampling_params.logit_bias
+    if bias:
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+        logits[row].index_add_(0, ids, values)
 
 
 def apply_penalties(logits: torch.Tensor, request: SamplingRequest) -> torch.Tensor:

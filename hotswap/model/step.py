@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from hotswap.sampling_params import SamplingParams
+from hotswap.structured_output import GrammarMatcher
 
 
 class SamplingRequest(Protocol):
@@ -33,6 +34,8 @@ class SamplingRequest(Protocol):
     def num_output_tokens(self) -> int: ...
     @property
     def generator(self) -> torch.Generator | None: ...
+    @property
+    def grammar(self) -> GrammarMatcher | None: ...
 
 
 class StepRequest(SamplingRequest, Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -12,6 +12,15 @@ from fastapi import Request, Response
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.limits import check_request_chat_template, off_loop
+from hotswap.entrypoints.openai.chat_tools import (
+    ChoiceParser,
+    check_tool_request,
+    forced_call_constraint,
+    gate_constraint_after_thinking,
+    merge_deltas,
+    starts_thinking,
+    tool_dicts,
+)
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
     apply_server_flags,
@@ -25,6 +34,7 @@ from hotswap.entrypoints.openai.params import (
     sampling_params,
     served_model_name,
 )
+from hotswap.entrypoints.openai.parsers import REASONING_PARSERS, ParsedDelta
 from hotswap.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChoiceLogProbs,
@@ -54,7 +64,7 @@ from hotswap.entrypoints.openai.streaming import (
     sse,
     sse_error,
 )
-from hotswap.entrypoints.state import get_engine, get_server_config
+from hotswap.entrypoints.state import ServerConfig, get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -68,6 +78,11 @@ class ChatContext:
     echo_text: str
     cached_details: bool
     created: int
+    server: ServerConfig
+    thinking: bool = False  # the output begins inside the model's thinking
+
+    def parser(self) -> ChoiceParser:
+        return ChoiceParser(self.body, self.server, self.thinking)
 
     def chunk(self, choices: list[ChatStreamChoice], **extra: object) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -81,13 +96,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     check_unsupported(body)
     apply_server_flags(request, body)
     _check_chat_options(body)
+    server = get_server_config(request)
+    check_tool_request(body, server)
     check_request_chat_template(request, body.chat_template, "body.chat_template")
     max_tokens = completion_max_tokens(body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, stream=body.stream)
+    sampling = sampling_params(
+        body,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        stream=body.stream,
+        structured_outputs=forced_call_constraint(body),
+    )
     prompt = await off_loop(render_chat, engine, body)  # templates and long prompts take time
     check_context_length(engine, prompt, max_tokens, max_tokens_param(body))
     prompt.cache_salt = body.cache_salt
+    server.structured_outputs.apply(sampling.structured_outputs)
+    thinking = starts_thinking(body, server, prompt.text or "")
+    if thinking and not server.structured_outputs.enable_in_reasoning:
+        end_tag = REASONING_PARSERS[server.reasoning_parser].end_tag
+        end_ids = engine.tokenizer.encode(end_tag, add_special_tokens=False)
+        gate_constraint_after_thinking(sampling.structured_outputs, end_ids)
     role = "assistant" if body.add_generation_prompt else body.messages[-1]["role"]
     ctx = ChatContext(
         id=base_request_id(request, body.request_id, "chatcmpl"),
@@ -96,8 +125,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         prompt=prompt,
         role=role,
         echo_text=_echo_text(body, role),
-        cached_details=get_server_config(request).enable_prompt_tokens_details,
+        cached_details=server.enable_prompt_tokens_details,
         created=int(time.time()),
+        server=server,
+        thinking=thinking,
     )
     stream = MergedStream(engine, [prompt], sampling, [ctx.id])
     await stream.start()
@@ -128,6 +159,7 @@ def render_chat(engine: AsyncLLM, body: ChatCompletionRequest) -> EnginePrompt:
         continue_final_message=body.continue_final_message,
         chat_template=body.chat_template,
         documents=body.documents,
+        tools=tool_dicts(body),
         template_kwargs=body.chat_template_kwargs,
     )
     return prepare_prompt(
@@ -147,6 +179,7 @@ def apply_template(
     continue_final_message: bool,
     chat_template: str | None,
     documents: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation through the chat template; any failure is 400 on `body.messages`."""
@@ -157,6 +190,7 @@ def apply_template(
             continue_final_message=continue_final_message,
             chat_template=chat_template,
             documents=documents,
+            tools=tools,
             tokenize=False,
             **(template_kwargs or {}),
         )
@@ -177,18 +211,7 @@ def _echo_text(body: ChatCompletionRequest, role: str) -> str:
 
 def chat_response(ctx: ChatContext, final: RequestOutput) -> ChatCompletionResponse:
     body = ctx.body
-    choices = [
-        ChatChoice(
-            index=comp.index,
-            message=ChatMessage(role=ctx.role, content=ctx.echo_text + comp.text),
-            logprobs=_logprobs(ctx, comp),
-            finish_reason=comp.finish_reason,
-            stop_reason=comp.stop_reason,
-            token_ids=list(comp.token_ids) if body.return_token_ids else None,
-            weight_versions=weight_spans(comp.weight_versions),
-        )
-        for comp in final.outputs
-    ]
+    choices = [_chat_choice(ctx, comp) for comp in final.outputs]
     num_completion = sum(len(c.token_ids) for c in final.outputs)
     cached = final.num_cached_tokens if ctx.cached_details else None
     return ChatCompletionResponse(
@@ -200,6 +223,36 @@ def chat_response(ctx: ChatContext, final: RequestOutput) -> ChatCompletionRespo
         prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids else None,
         prompt_logprobs=prompt_logprobs_info(final.prompt_logprobs),
     )
+
+
+def _chat_choice(ctx: ChatContext, comp: CompletionOutput) -> ChatChoice:
+    parser = ctx.parser()
+    parsed = parser.final(comp.text)
+    message = ChatMessage(
+        role=ctx.role,
+        content=ctx.echo_text + parsed.content if parsed.content is not None else None,
+        reasoning=parsed.reasoning,
+        tool_calls=parsed.tool_calls,
+    )
+    return ChatChoice(
+        index=comp.index,
+        message=message,
+        logprobs=_logprobs(ctx, comp),
+        finish_reason=_finish_reason(parser, comp.finish_reason),
+        stop_reason=comp.stop_reason,
+        token_ids=list(comp.token_ids) if ctx.body.return_token_ids else None,
+        weight_versions=weight_spans(comp.weight_versions),
+    )
+
+
+def _finish_reason(parser: ChoiceParser, reason: str | None) -> str | None:
+    """vLLM's: "tool_calls" when the parser found calls ("auto") or a "required" output
+    completed; a named function keeps the engine's reason."""
+    if not parser.calls_made or parser.forced_name is not None:
+        return reason
+    if parser.required and reason != "stop":
+        return reason
+    return "tool_calls" if reason is not None else None
 
 
 def _logprobs(ctx: ChatContext, comp: CompletionOutput) -> ChatChoiceLogProbs | None:
@@ -230,6 +283,7 @@ def _chat_logprob(token_id: int, logprob: Logprob | None, as_ids: bool) -> ChatL
 async def stream_chat(ctx: ChatContext, stream: MergedStream) -> AsyncIterator[str]:
     body = ctx.body
     tracker = StreamTracker(body.n, [len(ctx.prompt.token_ids)])
+    parsers = [ctx.parser() for _ in range(body.n)]
     try:
         try:
             for chunk in _opening_chunks(ctx):
@@ -237,7 +291,8 @@ async def stream_chat(ctx: ChatContext, stream: MergedStream) -> AsyncIterator[s
             async for _, output in stream.outputs():
                 for index, progress, delta in tracker.updates(0, output):
                     usage = tracker.choice_usage(progress) if continuous_usage(body) else None
-                    yield sse(ctx.chunk([_stream_choice(ctx, index, delta)], usage=usage))
+                    choice = _stream_choice(ctx, index, delta, parsers[index])
+                    yield sse(ctx.chunk([choice], usage=usage))
             if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse(ctx.chunk([], usage=tracker.usage(ctx.cached_details)))
         except Exception as e:  # the status line is sent: report in-band, as vLLM does
@@ -265,13 +320,35 @@ def _opening_chunks(ctx: ChatContext) -> list[ChatCompletionChunk]:
     return chunks
 
 
-def _stream_choice(ctx: ChatContext, index: int, delta: CompletionOutput) -> ChatStreamChoice:
+def _stream_choice(
+    ctx: ChatContext, index: int, delta: CompletionOutput, parser: ChoiceParser
+) -> ChatStreamChoice:
     return ChatStreamChoice(
         index=index,
-        delta=DeltaMessage(content=delta.text),
+        delta=_delta_message(parser, delta),
         logprobs=_logprobs(ctx, delta),
-        finish_reason=delta.finish_reason,
+        finish_reason=_finish_reason(parser, delta.finish_reason),
         stop_reason=delta.stop_reason,
         token_ids=list(delta.token_ids) if ctx.body.return_token_ids else None,
         weight_versions=weight_spans(delta.weight_versions),
     )
+
+
+def _delta_message(parser: ChoiceParser, delta: CompletionOutput) -> DeltaMessage:
+    """The text of one delta through the choice's parsers; at the choice's end, whatever
+    they held back (a partial tag that turned out to be text, a forced call's array)."""
+    if not parser.active:
+        return DeltaMessage(content=delta.text)
+    parsed = parser.feed(delta.text) if delta.text else ParsedDelta()
+    if delta.finish_reason is not None:
+        parsed = merge_deltas(parsed, parser.finish())
+    calls = [asdict(call, dict_factory=_without_none) for call in parsed.tool_calls]
+    return DeltaMessage(
+        content=parsed.content if parsed.content or not calls and not parsed.reasoning else None,
+        reasoning=parsed.reasoning or None,
+        tool_calls=calls or None,
+    )
+
+
+def _without_none(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {key: value for key, value in items if value is not None}

@@ -83,6 +83,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         stream=body.stream,
         prompt_logprobs=prompt_logprobs,
     )
+    get_server_config(request).structured_outputs.apply(sampling.structured_outputs)
     prompts = await off_loop(  # tokenizing a long prompt must not stall other clients
         lambda: [
             prepare_prompt(

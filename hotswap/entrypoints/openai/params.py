@@ -15,6 +15,7 @@ from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import check_prompt, encode_prompt
 from hotswap.entrypoints.errors import APIError, param_of
 from hotswap.entrypoints.limits import WarningThrottle, check_prompt_chars, printable_field
+from hotswap.entrypoints.openai.constraints import logit_bias_of, structured_outputs_of
 from hotswap.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,7 +23,7 @@ from hotswap.entrypoints.openai.protocol import (
     SamplingRequest,
 )
 from hotswap.entrypoints.state import get_server_config
-from hotswap.sampling_params import RequestOutputKind, SamplingParams
+from hotswap.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +37,13 @@ MAX_FIELDS_NAMED = 10  # in one warning; a body can hold thousands of keys
 _ignored_fields_throttle = WarningThrottle(interval_s=60.0, max_per_interval=20)
 
 # field -> the values accepted (hotswap does not implement anything else)
+# (vLLM refuses these too: beam search is its own path, priority needs
+# --scheduling-policy priority, suffix is not implemented)
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1),
-    "logit_bias": (None, {}),
     "use_beam_search": (False,),
-    "allowed_token_ids": (None,),
-    "bad_words": (None, []),
     "priority": (0,),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -168,11 +165,15 @@ def sampling_params(
     logprobs: int | None,
     stream: bool,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """Build (and so validate) the SamplingParams; a bad value becomes 400 `body.<field>`.
-    `prompt_logprobs` overrides the body's (echo with logprobs needs them)."""
+    `prompt_logprobs` overrides the body's (echo with logprobs needs them);
+    `structured_outputs` the body's constraint (a forced tool call sets its own)."""
     if prompt_logprobs is None:
         prompt_logprobs = body.prompt_logprobs
+    if structured_outputs is None:
+        structured_outputs = structured_outputs_of(body)
     try:
         return SamplingParams(
             n=body.n,
@@ -195,6 +196,10 @@ def sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             max_weight_lag=body.max_weight_lag,
+            logit_bias=logit_bias_of(body),
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words or None,
+            structured_outputs=structured_outputs,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
     except ValueError as e:

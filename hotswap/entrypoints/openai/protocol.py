@@ -36,9 +36,10 @@ NonNegInt64 = Annotated[int, Field(ge=0, lt=I64)]
 
 
 class RequestModel(CheckedModel):
-    """A request body. strict: no coercion that changes meaning ("stream": "yes" is not
-    true, "n": "2" not 2); floats are finite and bounded (CheckedModel), strings valid
-    Unicode.
+    """A request body, validated as vLLM's models validate it: pydantic's lax mode, so a
+    body vLLM accepts is accepted here ("logprobs": 1 on chat is true, "n": "2" is 2,
+    "stream": "true" is true), and what vLLM refuses is refused ("n": "two", "n": 2.5);
+    floats are finite and bounded (CheckedModel), strings valid Unicode.
 
     Unknown fields: whether they are ignored (the default, as vLLM) or refused
     (--reject-unknown-fields) is a server flag, but pydantic's `extra` is fixed when the
@@ -49,7 +50,7 @@ class RequestModel(CheckedModel):
     would double every class and make each route pick one per request; validating with
     extra="allow" would keep the unknown values in the model and its dumps."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     _unknown_fields: tuple[str, ...] = PrivateAttr(default=())
 
     @model_validator(mode="wrap")
@@ -59,9 +60,10 @@ class RequestModel(CheckedModel):
     ) -> RequestModel:
         model = handler(data)
         if isinstance(data, dict):
-            known = cls.model_fields
+            fields = cls.model_fields
+            known = set(fields) | {f.alias for f in fields.values() if f.alias}
             unknown = [str(key) for key in data if key not in known]
-            for name in known:  # nested request models (stream_options) report theirs too
+            for name in fields:  # nested request models (stream_options) report theirs too
                 value = getattr(model, name)
                 if isinstance(value, RequestModel):
                     unknown += [f"{name}.{key}" for key in value.unknown_fields]
@@ -77,6 +79,36 @@ class RequestModel(CheckedModel):
 class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): exactly one constraint."""
+
+    # `json` on the wire (a field named json would shadow pydantic's BaseModel.json)
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+
+class ResponseFormatSchema(RequestModel):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """OpenAI's `response_format`: text, json_object or json_schema."""
+
+    type: str
+    json_schema: ResponseFormatSchema | None = None
 
 
 class SamplingRequest(RequestModel):
@@ -112,14 +144,25 @@ class SamplingRequest(RequestModel):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # logits controls and structured outputs (vLLM's semantics; params.logits_controls,
+    # constraints.structured_outputs_of)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[NonNegInt64] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM removed these spellings (0.12) and now ignores them, leaving the output
+    # unconstrained; older RL frameworks still send them, so hotswap honours them.
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # accepted only at their defaults (see params.check_unsupported)
     length_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     use_beam_search: bool = False
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    response_format: dict[str, Any] | None = None
-    priority: int = 0
+    priority: int = 0  # vLLM refuses non-zero too unless --scheduling-policy priority
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -166,10 +209,12 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
-    # no tool calling: accepted only when empty / "none"
+    # tool calling (chat_tools): tools reach the chat template; "auto" needs a tool parser
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True
+    reasoning_effort: str | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -188,6 +233,8 @@ class TokenizeRequest(RequestModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # rendered as /v1/chat/completions renders them
+    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool = False
 
     @field_validator("messages", mode="before")
@@ -360,13 +407,19 @@ class ChatChoiceLogProbs(ResponseModel):
 class ChatMessage(ResponseModel):
     role: str
     content: str | None = None
+    refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning: str | None = None  # vLLM 0.32's field for the thinking (--reasoning-parser)
 
 
 class DeltaMessage(ResponseModel):
-    omit_if_none = frozenset({"role", "content"})
+    """A stream delta: only what this chunk adds (vLLM's exclude_unset shape)."""
+
+    omit_if_none = frozenset({"role", "content", "reasoning", "tool_calls"})
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(ResponseModel):

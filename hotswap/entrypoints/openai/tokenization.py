@@ -49,6 +49,8 @@ def _tokenize(body: TokenizeRequest, engine: AsyncLLM) -> TokenizeResponse:
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template=body.chat_template,
+            documents=body.documents,
+            tools=body.tools or None,
             template_kwargs=body.chat_template_kwargs,
         )
         add_special = bool(body.add_special_tokens)
