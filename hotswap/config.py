@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hotswap.errors import InvalidArgument
+from hotswap.generation_config import default_sampling
 from hotswap.weight_transfer.config import WeightTransferConfig
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -124,6 +125,9 @@ class EngineConfig:
     cpu_kernels: bool = True
     # oneDNN-packed copies of the bf16 linear weights for batches above the GEMV's rows.
     prepack_weights: bool = True
+    # The model's default sampling parameters (hotswap.generation_config): what the
+    # OpenAI routes and `LLM` use where a request gives no value.
+    default_sampling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -183,6 +187,11 @@ class EngineArgs:
     # more than 8 rows (15-25% faster GEMMs; one more copy of those weights in memory,
     # remade in the first step after each weight commit, ~0.1 s for the default model).
     prepack_weights: bool = True
+    # Default sampling parameters (vLLM's flags): "auto" from the model's
+    # generation_config.json, "vllm" the neutral ones, or a directory holding that file;
+    # the override (JSON text or dict) on top. A request's own values always win.
+    generation_config: str = "auto"
+    override_generation_config: str | dict[str, Any] | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -220,6 +229,9 @@ class EngineArgs:
             enforce_eager=bool(self.enforce_eager),
             cpu_kernels=bool(self.cpu_kernels),
             prepack_weights=bool(self.prepack_weights),
+            default_sampling=default_sampling(
+                self.generation_config, model_dir, self.override_generation_config
+            ),
         )
 
     def _head_dtype(self) -> torch.dtype | None:

@@ -33,6 +33,7 @@ LAYERS = {
     "hotswap.weight_transfer.config": 0,
     "hotswap.errors": 0,
     "hotswap.structured_output": 0,
+    "hotswap.generation_config": 0,
     # 1: the model, its loader and sampler
     "hotswap.model": 1,
     # 2: weight-transfer backends, trainer side, clients

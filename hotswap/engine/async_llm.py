@@ -76,7 +76,7 @@ class AsyncLLM:
         """Stream the request's outputs (cumulative or delta, per `output_kind`). Leaving
         the loop early, or cancelling the consumer, aborts the request and frees its KV."""
         self._start()
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams(**self.config.default_sampling)
         request_id = request_id or f"req-{next(self._request_ids)}"
         stream = self._submit(request_id, prompt, params)
         finished = False

@@ -59,7 +59,9 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(
+            sampling_params, len(prompt_list), self.config.default_sampling
+        )
         requests = [encode_prompt(self.tokenizer, p) for p in prompt_list]
         salts = [prompt_cache_salt(p) for p in prompt_list]
         for (_, ids), params in zip(requests, params_list):  # refuse bad input before adding any
@@ -211,10 +213,14 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _as_params_list(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    count: int,
+    defaults: dict | None = None,
 ) -> list[SamplingParams]:
+    """One params per prompt; none given: the model's defaults (generation_config), as
+    vLLM's LLM.get_default_sampling_params."""
     if params is None:
-        return [SamplingParams() for _ in range(count)]
+        return [SamplingParams(**(defaults or {})) for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

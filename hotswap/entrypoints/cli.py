@@ -117,6 +117,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='weight transfer backend, e.g. \'{"backend": "gloo"}\' (gloo, nccl, ipc, disk)',
     )
     group.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="default sampling parameters: auto, the model's generation_config.json; vllm, "
+        "the neutral ones; or a directory holding a generation_config.json (vLLM's flag)",
+    )
+    group.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="default sampling parameters on top, e.g. '{\"temperature\": 0.2}'",
+    )
+    group.add_argument(
         "--logprobs-mode",
         default="raw_logprobs",
         choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"],

@@ -107,6 +107,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         logprobs=logprobs,
         stream=body.stream,
         structured_outputs=forced_call_constraint(body),
+        defaults=engine.config.default_sampling,
     )
     prompt = await off_loop(render_chat, engine, body)  # templates and long prompts take time
     check_context_length(engine, prompt, max_tokens, max_tokens_param(body))

@@ -82,6 +82,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         logprobs=body.logprobs,
         stream=body.stream,
         prompt_logprobs=prompt_logprobs,
+        defaults=engine.config.default_sampling,
     )
     get_server_config(request).structured_outputs.apply(sampling.structured_outputs)
     prompts = await off_loop(  # tokenizing a long prompt must not stall other clients

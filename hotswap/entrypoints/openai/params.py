@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +37,10 @@ MAX_FIELDS_NAMED = 10  # in one warning; a body can hold thousands of keys
 _ignored_fields_throttle = WarningThrottle(interval_s=60.0, max_per_interval=20)
 
 # field -> the values accepted (hotswap does not implement anything else)
-# (vLLM refuses these too: beam search is its own path, priority needs
-# --scheduling-policy priority, suffix is not implemented)
+# (beam search is not implemented; vLLM refuses a suffix too)
 _DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "length_penalty": (None, 1),
     "use_beam_search": (False,),
-    "priority": (0,),
     "suffix": (None, ""),
 }
 
@@ -166,10 +164,16 @@ def sampling_params(
     stream: bool,
     prompt_logprobs: int | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """Build (and so validate) the SamplingParams; a bad value becomes 400 `body.<field>`.
     `prompt_logprobs` overrides the body's (echo with logprobs needs them);
-    `structured_outputs` the body's constraint (a forced tool call sets its own)."""
+    `structured_outputs` the body's constraint (a forced tool call sets its own);
+    `defaults` the model's sampling defaults (generation_config), for fields the body
+    leaves unset."""
+    defaults = defaults or {}
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     if prompt_logprobs is None:
         prompt_logprobs = body.prompt_logprobs
     if structured_outputs is None:
@@ -177,10 +181,10 @@ def sampling_params(
     try:
         return SamplingParams(
             n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            temperature=_or(body.temperature, defaults.get("temperature", 1.0)),
+            top_p=_or(body.top_p, defaults.get("top_p", 1.0)),
+            top_k=_or(body.top_k, defaults.get("top_k", 0)),
+            min_p=_or(body.min_p, defaults.get("min_p", 0.0)),
             seed=body.seed,
             max_tokens=max_tokens,
             min_tokens=body.min_tokens,
@@ -190,9 +194,11 @@ def sampling_params(
             include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            repetition_penalty=_or(body.repetition_penalty, 1.0),
-            presence_penalty=_or(body.presence_penalty, 0.0),
-            frequency_penalty=_or(body.frequency_penalty, 0.0),
+            repetition_penalty=_or(
+                body.repetition_penalty, defaults.get("repetition_penalty", 1.0)
+            ),
+            presence_penalty=_or(body.presence_penalty, defaults.get("presence_penalty", 0.0)),
+            frequency_penalty=_or(body.frequency_penalty, defaults.get("frequency_penalty", 0.0)),
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             max_weight_lag=body.max_weight_lag,
@@ -206,7 +212,7 @@ def sampling_params(
         raise _field_error(e, body) from None
 
 
-def _or(value: float | None, default: float) -> float:
+def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 

@@ -20,6 +20,8 @@ from pydantic import (
     ModelWrapValidatorHandler,
     PrivateAttr,
     SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
     field_validator,
     model_serializer,
     model_validator,
@@ -162,7 +164,9 @@ class SamplingRequest(RequestModel):
     # accepted only at their defaults (see params.check_unsupported)
     length_penalty: float | None = None
     use_beam_search: bool = False
-    priority: int = 0  # vLLM refuses non-zero too unless --scheduling-policy priority
+    # accepted and, as under vLLM's default --scheduling-policy fcfs, not used: requests are
+    # scheduled first come, first served
+    priority: int = 0
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -254,8 +258,17 @@ def _is_token_ids(value: Any) -> bool:
     )
 
 
+# vLLM's type for `prompt`, validated laxly as vLLM does (["1", 2] is the ids [1, 2])
+_PROMPT_TYPE = TypeAdapter(list[int] | list[list[int]] | str | list[str])
+
+
 def normalize_prompts(value: Any) -> list[str] | list[list[int]]:
     """A list of text prompts or a list of token-id prompts (never empty)."""
+    if isinstance(value, list):
+        try:
+            value = _PROMPT_TYPE.validate_python(value)
+        except ValidationError:
+            pass  # refused below with hotswap's message
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list) or not value:

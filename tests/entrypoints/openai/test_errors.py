@@ -35,7 +35,6 @@ COMPLETION_CASES = [
     ({"structured_outputs": {"structural_tag": "{}"}}, "body.structured_outputs.structural_tag"),
     ({"response_format": {"type": "json_schema"}}, "body.response_format"),
     ({"guided_json": "{oops"}, "body.guided_json"),
-    ({"priority": 1}, "body.priority"),
     ({"best_of": 3}, "body.best_of"),
     ({"suffix": "x"}, "body.suffix"),
     ({"use_beam_search": True}, "body.use_beam_search"),
