@@ -11,6 +11,7 @@ to it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Annotated, Any, ClassVar
 
 from pydantic import (
@@ -265,10 +266,8 @@ _PROMPT_TYPE = TypeAdapter(list[int] | list[list[int]] | str | list[str])
 def normalize_prompts(value: Any) -> list[str] | list[list[int]]:
     """A list of text prompts or a list of token-id prompts (never empty)."""
     if isinstance(value, list):
-        try:
+        with contextlib.suppress(ValidationError):  # else refused below, with hotswap's words
             value = _PROMPT_TYPE.validate_python(value)
-        except ValidationError:
-            pass  # refused below with hotswap's message
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list) or not value:
