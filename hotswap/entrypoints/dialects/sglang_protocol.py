@@ -46,13 +46,14 @@ class SGLangSampling(RequestModel):
     stream_interval: Any = None  # chunk cadence only: hotswap streams every step
     custom_params: Any = None  # read only by a custom logit processor: ignored, with a warning
     max_weight_lag: NonNegInt64 | None = None  # hotswap's extension (see SamplingParams)
+    # SGLang's constraints (one at most): a JSON schema as JSON text, a regex, a GBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
     # accepted only at their defaults
     stop_regex: Any = None
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
     structural_tag: Any = None
-    logit_bias: Any = None
 
 
 class GenerateRequest(RequestModel):
@@ -131,9 +132,5 @@ DEFAULT_ONLY = [
 ]
 SAMPLING_DEFAULT_ONLY = [
     "stop_regex",
-    "json_schema",
-    "regex",
-    "ebnf",
     "structural_tag",
-    "logit_bias",
 ]

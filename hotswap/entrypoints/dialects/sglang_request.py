@@ -30,7 +30,14 @@ from hotswap.entrypoints.openai.params import (
 )
 from hotswap.entrypoints.openai.protocol import RequestModel
 from hotswap.entrypoints.state import get_server_config
-from hotswap.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from hotswap.errors import InvalidArgument
+from hotswap.sampling_params import (
+    MAX_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
+from hotswap.structured_output import check_grammar
 
 
 async def plan_jobs(
@@ -304,6 +311,8 @@ def _job(
             skip_special_tokens=_or(fields.skip_special_tokens, True),
             spaces_between_special_tokens=_or(fields.spaces_between_special_tokens, True),
             max_weight_lag=fields.max_weight_lag,
+            logit_bias=_logit_bias(fields, prefix),
+            structured_outputs=_constraint(fields, prefix),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
     except ValueError as e:
@@ -318,3 +327,39 @@ def _job(
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+_CONSTRAINTS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+
+
+def _constraint(fields: SGLangSampling, prefix: str) -> StructuredOutputsParams | None:
+    """SGLang's json_schema / regex / ebnf as one checked constraint (400 naming it)."""
+    given = {name: getattr(fields, name) for name in _CONSTRAINTS if getattr(fields, name)}
+    if not given:
+        return None
+    if len(given) > 1:
+        raise APIError(
+            400,
+            f"{_label(prefix)}: only one of json_schema, regex and ebnf may be given",
+            prefix,
+        )
+    ((name, value),) = given.items()
+    params = StructuredOutputsParams(**{_CONSTRAINTS[name]: value})
+    try:
+        check_grammar(params)
+    except InvalidArgument as e:
+        raise APIError(400, f"{_label(prefix)}.{name}: {e}", f"{prefix}.{name}") from None
+    return params
+
+
+def _logit_bias(fields: SGLangSampling, prefix: str) -> dict[int, float] | None:
+    if not fields.logit_bias:
+        return None
+    try:
+        return {int(token): bias for token, bias in fields.logit_bias.items()}
+    except ValueError:
+        raise APIError(
+            400,
+            f"{_label(prefix)}.logit_bias: keys must be token ids",
+            f"{prefix}.logit_bias",
+        ) from None

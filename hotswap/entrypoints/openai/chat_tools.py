@@ -252,12 +252,33 @@ class ChoiceParser:
 
 
 def merge_deltas(first: ParsedDelta, second: ParsedDelta) -> ParsedDelta:
+    """Two consecutive deltas as one: texts joined, a call's pieces (same index) joined
+    into one entry (its id and name from the piece that has them)."""
     content = (first.content or "") + (second.content or "")
     reasoning = (first.reasoning or "") + (second.reasoning or "")
+    calls: dict[int, DeltaToolCall] = {}
+    for call in [*first.tool_calls, *second.tool_calls]:
+        seen = calls.get(call.index)
+        if seen is None:
+            calls[call.index] = DeltaToolCall(
+                index=call.index,
+                id=call.id,
+                type=call.type,
+                function=DeltaFunctionCall(
+                    name=call.function.name if call.function else None,
+                    arguments=call.function.arguments if call.function else None,
+                ),
+            )
+            continue
+        function = seen.function or DeltaFunctionCall()
+        piece = call.function or DeltaFunctionCall()
+        arguments = (function.arguments or "") + (piece.arguments or "")
+        seen.id, seen.type = seen.id or call.id, seen.type or call.type
+        seen.function = DeltaFunctionCall(function.name or piece.name, arguments or None)
     return ParsedDelta(
         content=content or None,
         reasoning=reasoning or None,
-        tool_calls=[*first.tool_calls, *second.tool_calls],
+        tool_calls=list(calls.values()),
     )
 
 

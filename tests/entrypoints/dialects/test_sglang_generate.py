@@ -16,6 +16,9 @@ import torch
 
 from tests.helpers.server import RemoteServer
 
+# Every test here talks to a server (its own process and engine): slow.
+pytestmark = pytest.mark.slow
+
 MAX_MODEL_LEN = 512
 LONG = 480  # new tokens: seconds of generation, long past a request or two
 PROMPT = "Reinforcement learning trains a policy while it"
@@ -363,7 +366,12 @@ BAD = [
     ({"text": "x", "sampling_params": {"min_new_tokens": 3, "max_new_tokens": 2}},
      "body.sampling_params.min_new_tokens"),
     ({"text": "x", "sampling_params": {"stop": [1]}}, "body.sampling_params.stop"),
-    ({"text": "x", "sampling_params": {"regex": "a+"}}, "body.sampling_params.regex"),
+    ({"text": "x", "sampling_params": {"regex": "a(b"}}, "body.sampling_params.regex"),
+    ({"text": "x", "sampling_params": {"json_schema": "{oops"}},
+     "body.sampling_params.json_schema"),
+    ({"text": "x", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+     "body.sampling_params"),
+    ({"text": "x", "sampling_params": {"logit_bias": {"x": 1}}}, "body.sampling_params.logit_bias"),
     ({"text": "x", "sampling_params": 3}, "body.sampling_params"),
     ({"text": ["a", "b"], "sampling_params": [{}, {"top_p": 2}]}, "body.sampling_params[1].top_p"),
     ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "body.sampling_params"),
@@ -372,7 +380,7 @@ BAD = [
     ({"text": "x", "return_logprob": True, "logprob_start_len": 99}, "body.logprob_start_len"),
     ({"text": "x", "rid": 5}, "body.rid"),
     ({"text": ["a", "b"], "rid": ["same", "same"]}, "body.rid"),
-    ({"text": "x", "stream": "yes"}, "body.stream"),
+    ({"text": "x", "stream": "maybe"}, "body.stream"),
     ({"text": "x", "return_routed_experts": True}, "body.return_routed_experts"),
     ({"text": "x", "lora_path": "adapter"}, "body.lora_path"),
     ({"text": "x", "image_data": ["img.png"]}, "body.image_data"),
@@ -396,3 +404,23 @@ def test_unknown_fields_are_ignored_and_bad_json_refused(http) -> None:
     )
     assert broken.status_code == 400 and broken.json()["error"]["param"] == "body"
     assert http.get("/health").status_code == 200
+
+
+def test_sglang_constraints_shape_the_output(http: httpx.Client) -> None:
+    """SGLang's json_schema (JSON text), regex and ebnf (GBNF) sampling params."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    cases = [
+        ({"json_schema": json.dumps(schema)}, lambda t: set(json.loads(t)) == {"ok", "n"}),
+        ({"regex": "[a-d]{2}-[0-9]{2}"}, lambda t: re.fullmatch("[a-d]{2}-[0-9]{2}", t)),
+        ({"ebnf": 'root ::= "yes" | "no"'}, lambda t: t in ("yes", "no")),
+    ]
+    for constraint, check in cases:
+        sampling = {"max_new_tokens": 60, "temperature": 0.8, "sampling_seed": 1, **constraint}
+        out = http.post("/generate", json={"text": PROMPT, "sampling_params": sampling})
+        assert out.status_code == 200, out.text
+        assert check(out.json()["text"]), (constraint, out.json()["text"])

@@ -6,6 +6,7 @@ vLLM refuses, except the documented DIFFERENCES."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,19 @@ def test_answer_class_matches_vllm(http, case_id: str, route: str, extra: dict) 
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] and error["param"].startswith("body"), error
+
+
+@pytest.mark.parametrize(
+    ("route", "extra"),
+    [
+        ("/v1/completions", {"structured_outputs": {"regex": "[a-c]{3}-[0-9]"}}),
+        ("/v1/completions", {"guided_regex": "[a-c]{3}-[0-9]"}),  # vLLM ignores it; honoured
+        ("/v1/chat/completions", {"structured_outputs": {"regex": "[a-c]{3}-[0-9]"}}),
+    ],
+)
+def test_constraints_are_applied_not_dropped(http, route: str, extra: dict) -> None:
+    body = {**BASE[route], "max_tokens": 20, "temperature": 1.0, "seed": 5, **extra}
+    choice = http.post(route, json=body).json()["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    assert re.fullmatch("[a-c]{3}-[0-9]", text), text
+    assert choice["finish_reason"] == "stop"

@@ -5,6 +5,13 @@ Use: one parser instance per output (per choice). Streaming: `feed(delta_text)` 
 detokenized delta, then `finish()`; non-streaming: `extract(text)`. Feeding a text in any
 pieces emits exactly what `extract` returns for it (see `base`). Run the reasoning parser
 first and give the tool parser its content.
+
+Tool calls stream as vLLM streams them: a call's first DeltaToolCall carries its index, id,
+type and name, later ones (same index) fragments of its arguments, whose concatenation is
+the arguments string `extract` returns. A consumer that merges deltas must join fragments
+by index. What streams when, per parser: hermes and llama3_json (`json_calls`,
+`partial_json`) the arguments as far as decided, character by character in strings;
+qwen3_coder one whole parameter at a time; pythonic one whole keyword argument at a time.
 """
 
 from __future__ import annotations

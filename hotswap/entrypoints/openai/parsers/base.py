@@ -5,15 +5,17 @@ to emit now. The invariants all of them keep:
 
 - A decision depends only on the text seen so far, never on how it was split into deltas:
   feeding a text in any pieces and then calling `finish()` emits the same content and the
-  same calls as `extract(text)`, which is exactly that on a fresh parser of the same kind.
+  same calls (names, and arguments once a call's fragments are concatenated) as
+  `extract(text)`, which is exactly that on a fresh parser of the same kind.
 - Nothing is emitted that a later delta could retract: text that may still turn out to be
-  markup (a partial tag, an open call) is held back until it is decided.
-- Nothing raises on model output: a call that does not parse is text.
+  markup (a partial tag, an open call) is held back until it is decided, and a call's
+  argument fragments are only text its final arguments string is sure to begin with.
+- Nothing raises on model output: a call that does not parse is text, or, when it broke
+  after its first delta was sent, closed as sent into a valid JSON object (never retracted).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import uuid
 from collections.abc import Mapping
@@ -72,21 +74,12 @@ def make_tool_call_id() -> str:
 
 def partial_overlap(text: str, tag: str) -> int:
     """Length of the longest proper prefix of `tag` that `text` ends with (0 if none)."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
+    start = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while start >= 0:
+        if tag.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(tag[0], start + 1)
     return 0
-
-
-def dump_arguments(arguments: Any) -> str | None:
-    """`arguments` as OpenAI's JSON string (vLLM's `json.dumps(..., ensure_ascii=False)`), or
-    None when it is not a JSON object or holds a non-finite number (no valid JSON for it)."""
-    if not isinstance(arguments, dict):
-        return None
-    try:
-        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        return None
 
 
 def is_json_finite(value: Any) -> bool:
@@ -98,28 +91,6 @@ def is_json_finite(value: Any) -> bool:
     if isinstance(value, list):
         return all(is_json_finite(v) for v in value)
     return True
-
-
-def json_call(obj: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """(name, arguments JSON) of a `{"name": ..., "<argument key>": {...}}` object, the
-    first of `argument_keys` present giving the arguments; None unless the name is a
-    non-empty string and the arguments a JSON object (or a string holding one)."""
-    if not isinstance(obj, dict):
-        return None
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return None
-    for key in argument_keys:
-        if key in obj:
-            arguments = obj[key]
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    return None
-            dumped = dump_arguments(arguments)
-            return None if dumped is None else (name, dumped)
-    return None
 
 
 def tool_properties(tools: list[Any], name: str) -> dict[str, Any]:
@@ -142,23 +113,28 @@ def tool_properties(tools: list[Any], name: str) -> dict[str, Any]:
 
 class ToolParser:
     """Base of the tool-call parsers. A subclass implements `_advance(eof)`, which consumes
-    `self._buf` as far as it is decided and reports through `_text` and `_call`.
+    `self._buf` as far as it is decided and reports through `_text`, `_start_call` and
+    `_call_arguments`.
 
     Output rules (all parsers, streamed and not alike):
-    - a call is emitted whole once it is complete and valid, as one DeltaToolCall carrying
-      index, id, type "function", the name and the complete arguments JSON;
+    - a call streams as vLLM streams one: its first delta carries index, id, type
+      "function" and the name (only once the name is whole and certain), later deltas only
+      the index and fragments of the arguments; the fragments, concatenated, are the
+      arguments JSON object `extract` returns. Deltas of one call decided by the same feed
+      are sent as one (the first may carry a name and a fragment);
     - content is the text before the first call, its trailing whitespace dropped when a call
       follows (so whitespace-only content before a call is None); text after the first call
       is dropped, as vLLM's hermes parser does; with no call the content is the whole text,
       verbatim (None when empty);
-    - malformed calls (bad syntax, unterminated at the end of output) are text.
+    - malformed calls are text, unless they broke after their first delta was sent: a call
+      is never retracted; each parser says how it closes such a call.
     """
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools: list[Any] = list(tools or [])
         self._buf = ""  # received, not yet decided
         self._held_ws = ""  # trailing whitespace of the content, held until non-space follows
-        self._n_calls = 0
+        self._n_calls = 0  # calls started
         self._out_content: list[str] = []
         self._out_calls: list[DeltaToolCall] = []
 
@@ -172,22 +148,25 @@ class ToolParser:
         fresh = type(self)(self.tools)
         deltas = (fresh.feed(text), fresh.finish())
         content = "".join(d.content or "" for d in deltas)
-        calls = [
-            ToolCall(c.id or "", FunctionCall(c.function.name or "", c.function.arguments or ""))
-            for d in deltas
-            for c in d.tool_calls
-            if c.function is not None
-        ]
-        return ExtractedToolCalls(bool(calls), calls, content or None)
+        calls: dict[int, ToolCall] = {}
+        for delta in deltas:
+            for call in delta.tool_calls:
+                function = call.function or DeltaFunctionCall()
+                if call.index not in calls:
+                    first = FunctionCall(function.name or "", "")
+                    calls[call.index] = ToolCall(call.id or "", first)
+                calls[call.index].function.arguments += function.arguments or ""
+        return ExtractedToolCalls(bool(calls), list(calls.values()), content or None)
 
     def feed(self, delta_text: str) -> ParsedDelta:
-        """One detokenized delta in; the content and calls decided by it out."""
+        """One detokenized delta in; the content and call deltas decided by it out."""
         self._buf += delta_text
         self._advance(eof=False)
         return self._take()
 
     def finish(self) -> ParsedDelta:
-        """End of output: everything still held back is decided (an open call is text)."""
+        """End of output: everything still held back is decided (an open call is text, or,
+        if it started, is closed)."""
         self._advance(eof=True)
         if self._buf:  # a subclass left text undecided at eof: it is content
             self._text(self._buf)
@@ -210,18 +189,30 @@ class ToolParser:
         if body:
             self._out_content.append(body)
 
-    def _call(self, name: str, arguments: str) -> None:
-        """Report one complete, valid call."""
+    def _start_call(self, name: str) -> None:
+        """Report the start of the next call: its index, a new id and its (whole) name."""
         self._held_ws = ""
         self._out_calls.append(
             DeltaToolCall(
                 index=self._n_calls,
                 id=make_tool_call_id(),
                 type="function",
-                function=DeltaFunctionCall(name=name, arguments=arguments),
+                function=DeltaFunctionCall(name=name),
             )
         )
         self._n_calls += 1
+
+    def _call_arguments(self, fragment: str) -> None:
+        """Report the next fragment of the arguments of the call started last."""
+        if not fragment:
+            return
+        last = self._out_calls[-1] if self._out_calls else None
+        if last is not None and last.index == self._n_calls - 1 and last.function is not None:
+            last.function.arguments = (last.function.arguments or "") + fragment
+            return
+        self._out_calls.append(
+            DeltaToolCall(index=self._n_calls - 1, function=DeltaFunctionCall(arguments=fragment))
+        )
 
     def _take(self) -> ParsedDelta:
         content = "".join(self._out_content) or None

@@ -4,25 +4,36 @@
     {"name": "get_weather", "arguments": {"city": "SF"}}
     </tool_call>
 
-one JSON object per region, several regions allowed. As vLLM's Hermes2ProToolParser: the
-body is `json.loads`ed whole (strict JSON), "name" and "arguments" are required, the
-arguments are re-serialized with `json.dumps(..., ensure_ascii=False)`, and a region left
-open at the end of the output still counts when its body is already complete JSON.
+one JSON object per region, several regions allowed, "name" and "arguments" required, the
+arguments re-serialized in `json.dumps(..., ensure_ascii=False)` form, as vLLM's
+Hermes2ProToolParser. The call streams as it is generated (`json_calls`): the name once
+whole and the arguments object opened, then the arguments as far as they are decided (a
+string's characters as they come, a number once it ends, a closing bracket once read).
+Malformed before that point, the region is text; after it, the call stays as sent and is
+closed where it broke (`{"name": "f", "arguments": {"a": 1` at the end of the output is
+f with `{"a": 1}`), and the rest of the region is ignored. A region left open at the end of
+the output still counts when its arguments closed; text after the object in the region is
+ignored.
 """
 
 from __future__ import annotations
 
-import json
-
-from hotswap.entrypoints.openai.parsers.base import json_call
+from hotswap.entrypoints.openai.parsers.json_calls import JsonCallStream
+from hotswap.entrypoints.openai.parsers.partial_json import OPEN
 from hotswap.entrypoints.openai.parsers.tagged import TaggedToolParser
 
 
 class HermesToolParser(TaggedToolParser):
-    def _parse_region(self, body: str, closed: bool) -> list[tuple[str, str]] | None:
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            return None
-        call = json_call(obj, ("arguments",))
-        return [call] if call else None
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        super().__init__(tools)
+        self._reader = JsonCallStream(self, ("arguments",))
+
+    def _region_open(self) -> None:
+        self._reader = JsonCallStream(self, ("arguments",))
+
+    def _region_feed(self, body: str) -> None:
+        if self._reader.state == OPEN:  # once the object closed or broke, the rest is ignored
+            self._reader.feed(body)
+
+    def _region_close(self, closed: bool) -> None:
+        self._reader.finish()

@@ -4,51 +4,23 @@
 
 The output is calls only when, after leading whitespace, it starts with `<|python_tag|>` or
 `{` (vLLM's streaming test): then it is JSON objects, separated by whitespace and at most one
-`;` each, every one with a non-empty string "name" and an "arguments" (else "parameters")
-object; the arguments are re-serialized with `json.dumps(..., ensure_ascii=False)`, and the
-content is None. Each call is emitted as soon as its object closes. If anything before the
-first call fails (not JSON, a key missing, an object cut off at the end of the output) the
-whole output is content; a failure after a call drops the rest of the output.
+`;` each, every one with a non-empty string "name" and an "arguments" or "parameters"
+object (the first of the two in the object; vLLM's non-streamed path prefers "arguments",
+its streamed one rejects an object with both); the arguments are re-serialized in
+`json.dumps(..., ensure_ascii=False)` form, and the content is None.
+
+Each call streams as it is generated (`json_calls`): the name once whole and the arguments
+object opened, then the arguments as far as they are decided. If anything fails before the
+first call started (not JSON, a key missing, an object cut off at the end of the output)
+the whole output is content. A failure after a call started drops the rest of the output,
+the call that broke staying as sent, closed where it broke.
 """
 
 from __future__ import annotations
 
-import json
-
-from hotswap.entrypoints.openai.parsers.base import ToolParser, json_call
-
-
-class JsonObjectScanner:
-    """Finds where the JSON value opening at offset 0 of a growing text closes, scanning
-    every character once however the text arrives (strings and escapes respected)."""
-
-    def __init__(self) -> None:
-        self.pos = 0
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-
-    def end(self, text: str) -> int:
-        """The offset just past the value's closing bracket, or -1 while it is open."""
-        for i in range(self.pos, len(text)):
-            c = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth <= 0:
-                    return i + 1
-        self.pos = len(text)
-        return -1
+from hotswap.entrypoints.openai.parsers.base import ToolParser
+from hotswap.entrypoints.openai.parsers.json_calls import JsonCallStream
+from hotswap.entrypoints.openai.parsers.partial_json import DONE, OPEN
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -57,28 +29,29 @@ class Llama3JsonToolParser(ToolParser):
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__(tools)
-        self._mode = "start"  # start | between | object | text
-        self._raw = ""  # consumed text that becomes content if no call comes of it
-        self._object_head: list[str] = []  # the open object's scanned text before `_buf`
+        self._mode = "start"  # start | between | object | text | drop
+        self._raw: list[str] = []  # consumed text, content again if no call starts
         self._separated = False  # a `;` was seen since the last object
-        self._scanner = JsonObjectScanner()
+        self._reader = JsonCallStream(self, self.argument_keys)
 
     def _advance(self, eof: bool) -> None:
         steps = {"start": self._start, "between": self._between, "object": self._object}
-        while self._mode != "text":
+        while self._mode in steps:
             if not steps[self._mode](eof):
                 return
-        self._text(self._buf)
-        self._buf = ""
+        if self._mode == "text":
+            self._text(self._buf)
+        self._buf = ""  # "drop": after a call that broke, the rest is dropped
 
     def _consume(self, n: int) -> None:
-        self._raw += self._buf[:n]
+        if not self._n_calls:  # after the first call nothing becomes content again
+            self._raw.append(self._buf[:n])
         self._buf = self._buf[n:]
 
     def _fail(self) -> None:
-        """Not calls after all: what was consumed is content again, and so is the rest."""
-        self._buf = self._raw + "".join(self._object_head) + self._buf
-        self._raw, self._object_head = "", []
+        """No call started, and it is not calls after all: everything is content."""
+        self._buf = "".join(self._raw) + self._buf
+        self._raw = []
         self._mode = "text"
 
     def _start(self, eof: bool) -> bool:
@@ -107,33 +80,32 @@ class Llama3JsonToolParser(ToolParser):
                 return True
             return False
         if rest[0] == "{":
-            self._mode, self._scanner, self._separated = "object", JsonObjectScanner(), False
+            self._mode, self._separated = "object", False
+            self._reader = JsonCallStream(self, self.argument_keys)
         elif rest[0] == ";" and self._n_calls and not self._separated:
             self._consume(1)
             self._separated = True
         else:
-            self._fail()
+            self._broke()
         return True
 
     def _object(self, eof: bool) -> bool:
-        """Wait for the open object to close, then it is a call or a failure."""
-        end = self._scanner.end(self._buf)
-        if end < 0:
-            if eof:
-                self._fail()
-                return True
-            self._object_head.append(self._buf)  # scanned: out of the growing buffer
-            self._buf, self._scanner.pos = "", 0
-            return False
-        text = "".join(self._object_head) + self._buf[:end]
-        try:
-            call = json_call(json.loads(text), self.argument_keys)
-        except (ValueError, RecursionError):  # not JSON, or nested past Python's stack
-            call = None
-        if call is None:
-            self._fail()
-            return True
-        self._buf, self._raw, self._object_head = self._buf[end:], "", []
-        self._call(*call)
-        self._mode = "between"
+        """Stream the open object's call; when it closes, the next object may follow."""
+        reader = self._reader
+        self._consume(reader.feed(self._buf))
+        if reader.state == OPEN:
+            if not eof:
+                return False
+            reader.finish()
+        if reader.state == DONE and reader.started:
+            self._mode = "between"
+        else:
+            self._broke()
         return True
+
+    def _broke(self) -> None:
+        """Not a call here: all content before the first call, else the rest is dropped."""
+        if self._n_calls:
+            self._mode = "drop"
+        else:
+            self._fail()

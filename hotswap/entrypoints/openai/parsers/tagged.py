@@ -2,9 +2,11 @@
 
 A region opens at the start tag and closes at the first end tag after it, or at the end of
 the output. Outside regions the text is content; a partial start tag at the end of what was
-received is held back until the next delta decides it. A region is held whole until it
-closes, then its body is parsed: valid, it yields its calls; invalid, or open at the end of
-the output and not complete, it is text again, tags and all.
+received is held back until the next delta decides it. Inside a region the body is handed
+to the subclass as it arrives (less a partial end tag at the end of what was received,
+held until decided), so its calls stream while they are generated. A region in which no
+call started by the time it closes is text again, tags and all; one in which a call
+started is not (the subclass closes a call the region's end cut off).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from hotswap.entrypoints.openai.parsers.base import ToolParser, partial_overlap
 
 
 class TaggedToolParser(ToolParser):
-    """Subclasses give the tags and `_parse_region`."""
+    """Subclasses give the tags and `_region_open`, `_region_feed` and `_region_close`."""
 
     start_tag = "<tool_call>"
     end_tag = "</tool_call>"
@@ -21,17 +23,26 @@ class TaggedToolParser(ToolParser):
     def __init__(self, tools: list[dict] | None = None) -> None:
         super().__init__(tools)
         self._inside = False  # `_buf` starts inside a region (its start tag consumed)
-        self._region: list[str] = []  # the open region's text before `_buf`, no end tag in it
+        self._region: list[str] = []  # the open region's body before `_buf`, while it may be text
+        self._calls_before = 0  # calls started before the open region
 
-    def _parse_region(self, body: str, closed: bool) -> list[tuple[str, str]] | None:
-        """[(name, arguments JSON)] of a region's body, or None if it is not valid calls.
-        `closed`: the end tag was seen (else the output ended inside the region)."""
+    def _region_open(self) -> None:
+        """A region begins: reset the body reader."""
+        raise NotImplementedError
+
+    def _region_feed(self, body: str) -> None:
+        """The next piece of the open region's body (no end tag in it), in order."""
+        raise NotImplementedError
+
+    def _region_close(self, closed: bool) -> None:
+        """The body is all there: decide what is still open. `closed`: the end tag was seen
+        (else the output ended inside the region)."""
         raise NotImplementedError
 
     def _advance(self, eof: bool) -> None:
         while self._buf:
             if self._inside:
-                if not self._close_region(eof):
+                if not self._read_region(eof):
                     return
                 continue
             i = self._buf.find(self.start_tag)
@@ -42,32 +53,33 @@ class TaggedToolParser(ToolParser):
                 return
             self._text(self._buf[:i])
             self._buf = self._buf[i + len(self.start_tag) :]
-            self._inside = True
+            self._inside, self._region, self._calls_before = True, [], self._n_calls
+            self._region_open()
         if self._inside and eof:  # a start tag was the last thing in the output
-            self._close_region(eof)
+            self._read_region(eof)
 
-    def _close_region(self, eof: bool) -> bool:
-        """Decide the open region if its end tag arrived (or at eof); False to wait."""
+    def _read_region(self, eof: bool) -> bool:
+        """Hand the region's body on as far as it is decided, and close the region if its end
+        tag arrived (or at eof); False to wait for more text."""
         j = self._buf.find(self.end_tag)
         if j < 0 and not eof:
-            # Keep only what an end tag split across deltas could start in, so a long
-            # region is scanned once and never copied whole per delta.
-            cut = len(self._buf) - (len(self.end_tag) - 1)
+            cut = len(self._buf) - partial_overlap(self._buf, self.end_tag)
             if cut > 0:
-                self._region.append(self._buf[:cut])
+                self._body(self._buf[:cut])
                 self._buf = self._buf[cut:]
             return False
         closed = j >= 0
-        body = "".join(self._region) + (self._buf[:j] if closed else self._buf)
+        self._body(self._buf[:j] if closed else self._buf)
         self._buf = self._buf[j + len(self.end_tag) :] if closed else ""
+        self._region_close(closed)
+        if self._n_calls == self._calls_before:  # no call: the region is text
+            self._text(self.start_tag + "".join(self._region) + (self.end_tag if closed else ""))
         self._inside, self._region = False, []
-        try:
-            calls = self._parse_region(body, closed)
-        except Exception:  # model output never makes a parser raise
-            calls = None
-        if calls:
-            for name, arguments in calls:
-                self._call(name, arguments)
-        else:
-            self._text(self.start_tag + body + (self.end_tag if closed else ""))
         return True
+
+    def _body(self, text: str) -> None:
+        if not text:
+            return
+        if self._n_calls == self._calls_before:  # the region may still be text
+            self._region.append(text)
+        self._region_feed(text)

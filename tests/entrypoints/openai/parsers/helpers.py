@@ -44,8 +44,28 @@ def stream_tools(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple
                 calls[call.index] = [call.function.name, call.function.arguments or ""]
             else:
                 assert call.id is None and call.type is None and call.function.name is None
-                calls[call.index][1] += call.function.arguments or ""
+                assert call.function.arguments  # a later delta is a non-empty fragment
+                calls[call.index][1] += call.function.arguments
     return "".join(content), [(name, arguments) for name, arguments in calls.values()]
+
+
+def streamed_so_far(
+    cls: type[ToolParser], text: str, tools: list[dict] | None = None
+) -> list[list[tuple[str, str]]]:
+    """Fed one character at a time (no finish): after each prefix `text[:i]` (index i), the
+    calls [(name, arguments sent so far)] streamed until then."""
+    parser = cls(tools)
+    calls: list[tuple[str, str]] = []
+    seen = [list(calls)]
+    for ch in text:
+        for call in parser.feed(ch).tool_calls:
+            assert call.function is not None
+            if call.index == len(calls):
+                calls.append((call.function.name or "", ""))
+            name, arguments = calls[call.index]
+            calls[call.index] = (name, arguments + (call.function.arguments or ""))
+        seen.append(list(calls))
+    return seen
 
 
 def check_tools(

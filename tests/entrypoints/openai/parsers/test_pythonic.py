@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hotswap.entrypoints.openai.parsers import TOOL_PARSERS, PythonicToolParser
-from tests.entrypoints.openai.parsers.helpers import calls_of, check_tools
+from tests.entrypoints.openai.parsers.helpers import calls_of, check_tools, streamed_so_far
 
 
 def test_list_of_calls_with_literal_arguments() -> None:
@@ -59,12 +59,15 @@ def test_text_after_the_list_is_dropped() -> None:
         "[f(x=b'raw')]",  # bytes have no JSON
         "[f(x=1e999)]",  # nor has inf
         "[f(x=f'{y}')]",  # an f-string with a placeholder
-        "[f()[0]()]",  # not a (dotted) name
-        "[f(x=1), 3]",
         "[f(x='it's')]",  # not Python
         "[f(x='line\nbreak')]",  # a one-line string across a line end
         "[get_weather(city='SF'",  # cut off
         "[f(s='''open",
+        "[f(a=1",  # cut off before the argument ended
+        "[f(, a=1)]",
+        "[f(a=1 b=2)]",
+        "[(f)(a=1)]",
+        "[f.(a=1)]",
     ],
 )
 def test_not_calls_is_verbatim_content(text: str) -> None:
@@ -72,15 +75,49 @@ def test_not_calls_is_verbatim_content(text: str) -> None:
     assert not result.tools_called and result.content == text
 
 
-def test_list_is_held_until_it_closes() -> None:
+def test_calls_stream_one_argument_at_a_time() -> None:
+    text = "[get_weather(city='San Francisco', days=3, unit=None), get_time()]"
+    seen = streamed_so_far(PythonicToolParser, text)
+    assert seen[text.index("'San Fr")] == []  # a Python value is only certain whole
+    assert seen[text.index(", days")] == []  # ... until the `,` after it
+    assert seen[text.index(", days") + 1] == [("get_weather", '{"city": "San Francisco"')]
+    assert seen[text.index(", unit") + 1][0][1] == '{"city": "San Francisco", "days": 3'
+    assert seen[text.index("None)") + 4][0][1].endswith('"days": 3')
+    assert seen[text.index("None)") + 5][0][1].endswith(', "unit": null}')
+    assert seen[text.index("get_time(") + 9][1:] == []  # no argument yet: wait for `)`
+    assert seen[text.index("get_time()") + 10][1:] == [("get_time", "{}")]
+
+
+def test_argument_boundaries_inside_strings_and_brackets() -> None:
     parser = PythonicToolParser(None)
-    assert parser.feed(" [f(a='])'), ").content is None
-    assert parser.feed("g(b=''").tool_calls == []  # '' or ''' ? undecided
-    delta = parser.feed(")]")
+    assert parser.feed(" [f(a='])', ").tool_calls[0].function.arguments == '{"a": "])"'
+    assert parser.feed("b=''").tool_calls == []  # '' or ''' ? undecided
+    delta = parser.feed(", c={'k': (1, 2)})")
     assert [(c.index, c.function.name, c.function.arguments) for c in delta.tool_calls] == [
-        (0, "f", '{"a": "])"}'),
-        (1, "g", '{"b": ""}'),
+        (0, None, ', "b": "", "c": {"k": [1, 2]}}')
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        ("[f(x=1), 3]", [("f", '{"x": 1}')]),
+        ("[f()[0]()]", [("f", "{}")]),
+        ("[f(a=1, b=y)]", [("f", '{"a": 1}')]),  # not a literal, after the start
+        ("[f(a=1, a=2), g()]", [("f", '{"a": 1}')]),  # a repeated keyword
+        ("[f(a=1, 'x')]", [("f", '{"a": 1}')]),  # a positional one
+        ("[f(a=1, b='cut", [("f", '{"a": 1}')]),
+        ("[f(a=1)", [("f", '{"a": 1}')]),  # the list cut off
+        ("[f(a=1), g(b=2", [("f", '{"a": 1}')]),  # g had not started
+        ("[f(a=1), g(b=2, c=", [("f", '{"a": 1}'), ("g", '{"b": 2}')]),
+    ],
+)
+def test_malformed_after_the_start_stays_as_sent_closed(
+    text: str, calls: list[tuple[str, str]]
+) -> None:
+    result = check_tools(PythonicToolParser, text)
+    assert result.content is None
+    assert [(c.function.name, c.function.arguments) for c in result.tool_calls] == calls
 
 
 def test_not_python_is_content_at_once() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from hotswap.entrypoints.openai.parsers import TOOL_PARSERS, Qwen3CoderToolParser
 from hotswap.entrypoints.openai.parsers.qwen3_coder import coerce, schema_types
-from tests.entrypoints.openai.parsers.helpers import calls_of, check_tools
+from tests.entrypoints.openai.parsers.helpers import calls_of, check_tools, streamed_so_far
 
 PROPERTIES = {
     "city": {"type": "string"},
@@ -110,6 +110,8 @@ def test_several_calls_in_regions_and_in_one_region() -> None:
 def test_missing_parameter_end_tags_are_tolerated() -> None:
     text = "<tool_call><function=f><parameter=a>1<parameter=b>two\n</function></tool_call>"
     assert calls_of(check_tools(Qwen3CoderToolParser, text)) == [("f", {"a": "1", "b": "two"})]
+    text = "<tool_call><function=f><parameter=a</function>"  # a parameter never named
+    assert calls_of(check_tools(Qwen3CoderToolParser, text)) == [("f", {})]
 
 
 def test_missing_end_tag_between_calls_is_tolerated() -> None:
@@ -132,12 +134,68 @@ def test_region_open_at_the_end_counts_once_its_function_closed() -> None:
         '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',  # hermes JSON
         "<tool_call>\n<function=>\n</function>\n</tool_call>",  # no name
         "<tool_call>\nhmm <function=f>\n</function>\n</tool_call>",  # text in the region
+        "<tool_call>\n<function=f>\n<parameter=a>\n1\n</tool_call> <function=g></function>",
     ],
 )
 def test_malformed_call_is_content(region: str) -> None:
     text = "Calling:\n" + region
     result = check_tools(Qwen3CoderToolParser, text, TOOLS)
     assert not result.tools_called and result.content == text
+
+
+def test_each_parameter_streams_once_it_closes() -> None:
+    text = "Ok.\n" + call("get_weather", city="San Francisco", days="3", tags='["a"]')
+    seen = streamed_so_far(Qwen3CoderToolParser, text, TOOLS)
+    assert seen[text.index("San Fr")] == []  # the name waits for the first parameter
+    first = text.index("</parameter>")
+    assert seen[first + len("</parameter")] == []
+    assert seen[first + len("</parameter>")] == [("get_weather", '{"city": "San Francisco"')]
+    second = text.index("</parameter>", first + 1) + len("</parameter>")
+    assert seen[second] == [("get_weather", '{"city": "San Francisco", "days": 3')]
+    end = text.index("</function>") + len("</function>")
+    final = '{"city": "San Francisco", "days": 3, "tags": ["a"]}'
+    assert seen[end - 1][0][1] != final and seen[end] == [("get_weather", final)]
+    result = check_tools(Qwen3CoderToolParser, text, TOOLS)
+    assert result.tool_calls[0].function.arguments == final
+
+
+def test_a_value_ends_at_the_next_parameter_or_the_function_end_too() -> None:
+    text = "<tool_call><function=f><parameter=a>1<parameter=b>x\n</function>"
+    seen = streamed_so_far(Qwen3CoderToolParser, text)
+    assert seen[text.index("<parameter=b>")] == []  # `<parameter=` might be text still
+    assert seen[text.index("<parameter=b>") + len("<parameter=")] == [("f", '{"a": "1"')]
+    assert seen[-1] == [("f", '{"a": "1", "b": "x"}')]
+
+
+def test_a_function_without_parameters_starts_at_its_end() -> None:
+    text = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+    seen = streamed_so_far(Qwen3CoderToolParser, text)
+    assert seen[text.index("</function>") + 10] == []
+    assert seen[text.index("</function>") + 11] == [("get_time", "{}")]
+
+
+@pytest.mark.parametrize(
+    ("region", "arguments"),
+    [
+        # cut off inside the second parameter: the first was sent, the second is dropped
+        (
+            "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\nx",
+            '{"a": "1"}',
+        ),
+        ("<tool_call><function=f><parameter=a>1</parameter></tool_call>", '{"a": "1"}'),
+        ("<tool_call><function=f><parameter=a>1</parameter>", '{"a": "1"}'),
+        ("<tool_call><function=f></function> junk <function=g></function></tool_call>", "{}"),
+        ("<tool_call><function=f></function><function=></function></tool_call>", "{}"),
+        # a parameter named twice is sent twice; a JSON reader keeps the last
+        ("<tool_call><function=f><parameter=a>1<parameter=a>2</function>", '{"a": "1", "a": "2"}'),
+    ],
+)
+def test_malformed_after_the_start_stays_as_sent_closed(region: str, arguments: str) -> None:
+    result = check_tools(Qwen3CoderToolParser, "Calling:\n" + region)
+    assert result.content == "Calling:"
+    assert [(c.function.name, c.function.arguments) for c in result.tool_calls] == [
+        ("f", arguments)
+    ]
 
 
 def test_schema_types_and_coercion_rules() -> None:
