@@ -78,11 +78,15 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def serve(
-    weight_transfer_config: dict[str, Any], extra_args: Sequence[str] = ()
+    weight_transfer_config: dict[str, Any],
+    extra_args: Sequence[str] = (),
+    real_weights: bool = False,
 ) -> Iterator[tuple[str, str]]:
-    """`hotswap serve` (built-in model, random weights, control plane on, free port);
-    yields (served model name, base URL) once /health answers; always torn down."""
-    cmd = [sys.executable, "-m", "hotswap", "serve", "--load-format", "dummy", *extra_args]
+    """`hotswap serve` (built-in model, random weights unless `real_weights`, control plane
+    on, free port); yields (served model name, base URL) once /health answers; always torn
+    down."""
+    load = [] if real_weights else ["--load-format", "dummy"]
+    cmd = [sys.executable, "-m", "hotswap", "serve", *load, *extra_args]
     cmd += ["--enable-control", "--port", "0", "--log-level", "warning"]
     cmd += ["--weight-transfer-config", json.dumps(weight_transfer_config)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

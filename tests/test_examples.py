@@ -23,6 +23,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
         ("rlhf_async.py", "trained"),
         ("rlhf_multi_server.py", "every server now has: {'weight_version': 'step-1'"),
         ("rlhf_ray.py", "(trained weights): 'The capital of France is' -> ' Paris"),
+        ("agent_rl.py", "pushed weights: version 2"),
     ],
 )
 def test_example_runs(script: str, expected: str) -> None:

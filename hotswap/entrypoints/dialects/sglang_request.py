@@ -59,6 +59,9 @@ async def plan_jobs(
     for i, (prompt, (fields, prefix)) in enumerate(zip(prompts, samplings)):
         prompt.cache_salt = salts[i]
         jobs.append(_job(prompt, fields, prefix, specs[i], rids[i], body.stream))
+    structured = get_server_config(request).structured_outputs  # the server's defaults
+    for job in jobs:
+        structured.apply(job.params.structured_outputs)
     return jobs, n, single
 
 

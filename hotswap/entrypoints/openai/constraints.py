@@ -86,12 +86,13 @@ def _from_structured_outputs(body: SamplingRequest) -> tuple[StructuredOutputsPa
     request = body.structured_outputs
     if request is None:
         return None
-    if request.structural_tag is not None:
-        raise APIError(
-            400,
-            "structured_outputs.structural_tag: not supported by hotswap",
-            "body.structured_outputs.structural_tag",
-        )
+    for name in ("structural_tag", "whitespace_pattern"):  # llguidance has no such input
+        if getattr(request, name) is not None:
+            raise APIError(
+                400,
+                f"structured_outputs.{name}: not supported by hotswap",
+                f"body.structured_outputs.{name}",
+            )
     values = {
         "json": request.json_,
         "regex": request.regex,

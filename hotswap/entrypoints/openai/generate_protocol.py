@@ -40,8 +40,9 @@ OutputMode = Literal["tokens", "text"]
 class GenerateSamplingParams(RequestModel):
     """vLLM's `SamplingParams` as the route reads it from JSON: same names and defaults.
     Value ranges are checked by hotswap's `SamplingParams` (400 naming
-    `body.sampling_params.<field>`); types here. `max_tokens` omitted means "up to the
-    context limit" (vLLM's server-side default), not the class default 16."""
+    `body.sampling_params.<field>`); types here. `max_tokens` omitted means the model's
+    generation_config default, else "up to the context limit" (vLLM's server-side
+    default), not the class default 16; the other defaults are the class's, as in vLLM."""
 
     n: Annotated[int, Field(le=MAX_N)] = 1
     presence_penalty: float = 0.0

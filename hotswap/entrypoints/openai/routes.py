@@ -6,6 +6,8 @@ from fastapi import APIRouter, Request, Response
 
 from hotswap.entrypoints.openai.chat import create_chat_completion
 from hotswap.entrypoints.openai.completions import create_completion
+from hotswap.entrypoints.openai.generate_protocol import GenerateRequest
+from hotswap.entrypoints.openai.generate_tokens import create_generate
 from hotswap.entrypoints.openai.params import check_unknown_fields
 from hotswap.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -48,3 +50,10 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeRes
 async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     check_unknown_fields(request, body)
     return await detokenize(body, request)
+
+
+@openai_router.post("/inference/v1/generate")
+async def generate_tokens(body: GenerateRequest, request: Request) -> Response:
+    """vLLM 0.32's token-in/token-out route (generate_tokens)."""
+    check_unknown_fields(request, body)
+    return await create_generate(body, request)

@@ -32,7 +32,9 @@ def server(tiny_llama: Path) -> Iterator[RemoteServer]:
     # control plane is on only for /abort_requests.
     args = ("--served-model-name", "tiny", "--dtype", "float32", "--log-level", "warning")
     limits = ("--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "128")
-    with RemoteServer(tiny_llama, *args, *limits, "--enable-control") as srv:
+    # compact JSON for json_schema: a random model given free whitespace wanders in it
+    compact = ("--structured-outputs-config", '{"disable_any_whitespace": true}')
+    with RemoteServer(tiny_llama, *args, *limits, *compact, "--enable-control") as srv:
         yield srv
 
 

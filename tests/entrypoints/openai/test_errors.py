@@ -33,6 +33,10 @@ COMPLETION_CASES = [
     ({"structured_outputs": {"regex": "a(b"}}, "body.structured_outputs.regex"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "body.structured_outputs"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "body.structured_outputs.structural_tag"),
+    (
+        {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+        "body.structured_outputs.whitespace_pattern",
+    ),
     ({"response_format": {"type": "json_schema"}}, "body.response_format"),
     ({"guided_json": "{oops"}, "body.guided_json"),
     ({"best_of": 3}, "body.best_of"),
