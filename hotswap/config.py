@@ -125,9 +125,7 @@ class EngineConfig:
     cpu_kernels: bool = True
     # oneDNN-packed copies of the bf16 linear weights for batches above the GEMV's rows.
     prepack_weights: bool = True
-    # The model's default sampling parameters (hotswap.generation_config): what the
-    # OpenAI routes and `LLM` use where a request gives no value.
-    default_sampling: dict[str, Any] = field(default_factory=dict)
+    default_sampling: dict[str, Any] = field(default_factory=dict)  # generation_config
 
 
 @dataclass
@@ -187,9 +185,7 @@ class EngineArgs:
     # more than 8 rows (15-25% faster GEMMs; one more copy of those weights in memory,
     # remade in the first step after each weight commit, ~0.1 s for the default model).
     prepack_weights: bool = True
-    # Default sampling parameters (vLLM's flags): "auto" from the model's
-    # generation_config.json, "vllm" the neutral ones, or a directory holding that file;
-    # the override (JSON text or dict) on top. A request's own values always win.
+    # Default sampling parameters (vLLM's flags; hotswap.generation_config)
     generation_config: str = "auto"
     override_generation_config: str | dict[str, Any] | None = None
 

@@ -220,6 +220,25 @@ class GrammarCompiler:
             return GrammarMatcher(template.deep_copy(), params.start_after_token_ids or ())
 
 
+class LazyGrammarCompiler:
+    """The engine core's compiler, built on the first constrained request (the token trie
+    takes ~1 s for a 49k vocabulary), so engines that never see one never pay for it.
+    Every request of an engine comes from one tokenizer, so the first request's EOS is
+    every request's."""
+
+    def __init__(self, tokenizer_dir: Path, vocab_size: int) -> None:
+        self.tokenizer_dir = Path(tokenizer_dir)
+        self.vocab_size = vocab_size
+        self.compiler: GrammarCompiler | None = None
+
+    def matcher(self, params: StructuredOutputsParams, eos_token_id: int | None) -> GrammarMatcher:
+        if self.compiler is None:
+            self.compiler = GrammarCompiler.from_tokenizer_dir(
+                self.tokenizer_dir, self.vocab_size, eos_token_id
+            )
+        return self.compiler.matcher(params)
+
+
 _executor: llguidance.LLExecutor | None = None
 
 

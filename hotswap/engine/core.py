@@ -31,7 +31,7 @@ from hotswap.engine.worker import WorkerExtension, load_extension_class
 from hotswap.errors import InvalidArgument
 from hotswap.model.runner import ModelRunner, RunnerOutput
 from hotswap.model.sampler import TokenLogprobs
-from hotswap.structured_output import GrammarCompiler
+from hotswap.structured_output import LazyGrammarCompiler
 
 DEFAULT_WEIGHT_LABEL = "default"
 
@@ -57,7 +57,7 @@ class EngineCore:
         )
         self._digest: tuple[tuple[int, bool], str] | None = None  # cache key, digest
         self.worker_extension: WorkerExtension | None = None
-        self.grammar_compiler: GrammarCompiler | None = None
+        self.grammars = LazyGrammarCompiler(config.tokenizer or config.model.path, self.vocab_size)
         if config.worker_extension_cls is not None:
             cls = load_extension_class(config.worker_extension_cls)
             device, rank = torch.device(config.device), config.data_parallel_rank
@@ -83,18 +83,8 @@ class EngineCore:
         )
         constraint = req.sampling_params.structured_outputs
         if constraint is not None:
-            request.grammar = self._grammar_compiler(req.eos_token_id).matcher(constraint)
+            request.grammar = self.grammars.matcher(constraint, req.eos_token_id)
         self.scheduler.add_request(request)
-
-    def _grammar_compiler(self, eos_token_id: int | None) -> GrammarCompiler:
-        """Built on the first constrained request (the token trie takes ~1 s), for the
-        tokenizer every request of this engine comes from."""
-        if self.grammar_compiler is None:
-            tokenizer_dir = self.config.tokenizer or self.config.model.path
-            self.grammar_compiler = GrammarCompiler.from_tokenizer_dir(
-                tokenizer_dir, self.vocab_size, eos_token_id
-            )
-        return self.grammar_compiler
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -35,11 +35,11 @@ from hotswap.entrypoints.openai.params import (
     served_model_name,
 )
 from hotswap.entrypoints.openai.parsers import REASONING_PARSERS, ParsedDelta
-from hotswap.entrypoints.openai.protocol import (
+from hotswap.entrypoints.openai.protocol import ChatCompletionRequest
+from hotswap.entrypoints.openai.responses import (
     ChatChoice,
     ChatChoiceLogProbs,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogProb,
     ChatLogProbsContent,

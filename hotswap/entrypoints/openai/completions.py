@@ -21,10 +21,10 @@ from hotswap.entrypoints.openai.params import (
     sampling_params,
     served_model_name,
 )
-from hotswap.entrypoints.openai.protocol import (
+from hotswap.entrypoints.openai.protocol import CompletionRequest
+from hotswap.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
     PromptLogprob,
 )

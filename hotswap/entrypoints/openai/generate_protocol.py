@@ -25,14 +25,13 @@ from hotswap.entrypoints.limits import CheckedModel
 from hotswap.entrypoints.openai.protocol import (
     I64,
     MAX_N,
-    ChatLogProbsContent,
     Int64,
     NonNegInt64,
-    PromptLogprob,
     RequestModel,
     StreamOptions,
     StructuredOutputsRequest,
 )
+from hotswap.entrypoints.openai.responses import ChatLogProbsContent, PromptLogprob
 
 OutputMode = Literal["tokens", "text"]
 

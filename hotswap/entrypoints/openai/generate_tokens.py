@@ -50,7 +50,7 @@ from hotswap.entrypoints.openai.generate_protocol import (
     TextLogProbs,
 )
 from hotswap.entrypoints.openai.params import check_model, served_model_name
-from hotswap.entrypoints.openai.protocol import ChatLogProb, ChatLogProbsContent
+from hotswap.entrypoints.openai.responses import ChatLogProb, ChatLogProbsContent
 from hotswap.entrypoints.openai.serving import (
     MIN_LOGPROB,
     MergedStream,

@@ -13,11 +13,9 @@ from hotswap.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    DetokenizeResponse,
-    ModelList,
     TokenizeRequest,
-    TokenizeResponse,
 )
+from hotswap.entrypoints.openai.responses import DetokenizeResponse, ModelList, TokenizeResponse
 from hotswap.entrypoints.openai.tokenization import detokenize, list_models, tokenize
 
 openai_router = APIRouter()

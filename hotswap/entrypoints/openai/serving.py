@@ -13,7 +13,7 @@ from fastapi import Request
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.params import EnginePrompt
-from hotswap.entrypoints.openai.protocol import (
+from hotswap.entrypoints.openai.responses import (
     PromptLogprob,
     PromptTokensDetails,
     UsageInfo,

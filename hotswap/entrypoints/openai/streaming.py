@@ -12,7 +12,8 @@ from starlette.types import Receive, Scope, Send
 
 from hotswap.engine.errors import EngineDeadError
 from hotswap.entrypoints.errors import APIError
-from hotswap.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from hotswap.entrypoints.openai.protocol import SamplingRequest
+from hotswap.entrypoints.openai.responses import UsageInfo
 from hotswap.entrypoints.openai.serving import make_usage
 from hotswap.outputs import CompletionOutput, RequestOutput
 

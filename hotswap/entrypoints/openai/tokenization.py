@@ -11,12 +11,11 @@ from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.openai.chat import apply_template
 from hotswap.entrypoints.openai.params import check_model, served_model_name
-from hotswap.entrypoints.openai.protocol import (
-    DetokenizeRequest,
+from hotswap.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from hotswap.entrypoints.openai.responses import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 from hotswap.entrypoints.state import get_engine

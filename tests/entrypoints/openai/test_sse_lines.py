@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from hotswap.entrypoints.openai.protocol import CompletionChoice, CompletionResponse
+from hotswap.entrypoints.openai.responses import CompletionChoice, CompletionResponse
 from hotswap.entrypoints.openai.streaming import sse
 
 

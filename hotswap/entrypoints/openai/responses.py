@@ -1,0 +1,202 @@
+"""Response models of the OpenAI-compatible API (vLLM's shapes, hotswap's extensions
+such as `weight_versions` added where vLLM has no field of that name)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+
+
+class ResponseModel(BaseModel):
+    """Serializes every field, except that the optional extensions named in `omit_if_none`
+    are left out while unset (so `token_ids` appears only with `return_token_ids`)."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_extensions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for key in self.omit_if_none:
+            if data.get(key, 0) is None:
+                del data[key]
+        return data
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(ResponseModel):
+    omit_if_none = frozenset({"prompt_tokens_details"})
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class WeightVersionSpanInfo(ResponseModel):
+    version: int
+    label: str
+    start: int
+    end: int
+    stale: bool = False
+
+
+class CompletionLogProbs(ResponseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+    def extend(self, other: CompletionLogProbs) -> CompletionLogProbs:
+        """Append `other`'s tokens (their offsets are already absolute); returns self."""
+        self.text_offset += other.text_offset
+        self.token_logprobs += other.token_logprobs
+        self.tokens += other.tokens
+        self.top_logprobs += other.top_logprobs
+        return self
+
+
+class PromptLogprob(ResponseModel):
+    """vLLM's Logprob as it serialises in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class CompletionChoice(ResponseModel):
+    """A choice of a completion response, or of one stream chunk."""
+
+    omit_if_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+
+
+class CompletionResponse(ResponseModel):
+    """A completion, or (object `text_completion` too, as OpenAI does) one stream chunk."""
+
+    omit_if_none = frozenset({"usage"})
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+
+
+class ChatLogProb(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(ResponseModel):
+    content: list[ChatLogProbsContent] | None = None
+    refusal: list[ChatLogProbsContent] | None = None
+
+
+class ChatMessage(ResponseModel):
+    role: str
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning: str | None = None  # vLLM 0.32's field for the thinking (--reasoning-parser)
+
+
+class DeltaMessage(ResponseModel):
+    """A stream delta: only what this chunk adds (vLLM's exclude_unset shape)."""
+
+    omit_if_none = frozenset({"role", "content", "reasoning", "tool_calls"})
+    role: str | None = None
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(ResponseModel):
+    omit_if_none = frozenset({"token_ids"})
+    index: int
+    message: ChatMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+
+
+class ChatStreamChoice(ResponseModel):
+    omit_if_none = frozenset({"token_ids"})
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+
+
+class ChatCompletionResponse(ResponseModel):
+    omit_if_none = frozenset({"prompt_token_ids", "usage", "prompt_logprobs"})
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    omit_if_none = frozenset({"prompt_token_ids", "usage"})
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "hotswap"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int
+    permission: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ModelList(ResponseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    omit_if_none = frozenset({"token_strs"})
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
