@@ -54,20 +54,7 @@ def hotswap_run(args: argparse.Namespace, mode: str) -> tuple[int, float, list[s
     from hotswap.sampling_params import StructuredOutputsParams
 
     llm = LLM(args.model_dir, progress=False)
-    chats = conversations(args.num_requests)
-
-    def params(i: int) -> SamplingParams:
-        schema = StructuredOutputsParams(json=SCHEMA) if constrained(mode, i) else None
-        return SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens,
-                              structured_outputs=schema)  # fmt: skip
-
-    llm.chat(chats[:4], [params(i) for i in range(4)], use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()
-    start = time.perf_counter()
-    outs = llm.chat(chats, [params(i) for i in range(len(chats))], use_tqdm=False)
-    seconds = time.perf_counter() - start
-    texts = [o.outputs[0].text for i, o in enumerate(outs) if constrained(mode, i)]
-    return sum(len(o.outputs[0].token_ids) for o in outs), seconds, texts
+    return timed_chat(llm, SamplingParams, StructuredOutputsParams, args, mode)
 
 
 def vllm_run(args: argparse.Namespace, mode: str) -> tuple[int, float, list[str]]:
@@ -75,14 +62,20 @@ def vllm_run(args: argparse.Namespace, mode: str) -> tuple[int, float, list[str]
     from vllm.sampling_params import StructuredOutputsParams
 
     llm = LLM(model=args.model_dir, max_model_len=2048, seed=0)
+    return timed_chat(llm, SamplingParams, StructuredOutputsParams, args, mode)
+
+
+def timed_chat(llm, params_cls, schema_cls, args: argparse.Namespace, mode: str):  # noqa: ANN001, ANN201
+    """The batch through either engine's `LLM.chat` (same API): (generated tokens,
+    seconds, the constrained outputs' texts)."""
     chats = conversations(args.num_requests)
 
-    def params(i: int) -> SamplingParams:
-        schema = StructuredOutputsParams(json=SCHEMA) if constrained(mode, i) else None
-        return SamplingParams(temperature=0.7, seed=i, max_tokens=args.max_tokens,
-                              structured_outputs=schema)  # fmt: skip
+    def params(i: int):  # noqa: ANN202
+        schema = schema_cls(json=SCHEMA) if constrained(mode, i) else None
+        return params_cls(temperature=0.7, seed=i, max_tokens=args.max_tokens,
+                          structured_outputs=schema)  # fmt: skip
 
-    llm.chat(chats[:4], [params(i) for i in range(4)], use_tqdm=False)
+    llm.chat(chats[:4], [params(i) for i in range(4)], use_tqdm=False)  # warm-up
     llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.chat(chats, [params(i) for i in range(len(chats))], use_tqdm=False)

@@ -5,16 +5,13 @@ fixed-size buffers (packing the next while the last one is in flight); unpacked 
 one tensor at a time.
 
 The group is built from its own TCPStore (no global process group), so a trainer can keep
-its training groups and an engine can be re-initialised after a failure."""
+its training groups and an engine can be re-initialised after a failure; rendezvous.py
+forms it, cancellably whichever rank hosts the store."""
 
 from __future__ import annotations
 
 import atexit
-import datetime
 import gc
-import socket
-import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -26,6 +23,7 @@ from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
 from hotswap.weight_transfer.packing import arena_meta, buffer_lengths, byte_view, pack, views
+from hotswap.weight_transfer.rendezvous import join_group
 
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_NUM_BUFFERS = 2
@@ -38,11 +36,6 @@ MAX_WORLD_SIZE = 1 << 16
 MAX_BUFFER_BYTES = 1 << 36
 MAX_NUM_BUFFERS = 64
 MAX_GROUP_NAME_CHARS = 256
-PROBE_INTERVAL_S = 0.1
-
-
-class RendezvousCancelled(RuntimeError):
-    """Joining a group was cancelled (the round was aborted) before the store answered."""
 
 
 # Groups still open at interpreter exit are released by an atexit hook, while the runtime
@@ -56,104 +49,6 @@ def _close_open_channels() -> None:
     for channel in list(_OPEN_CHANNELS):
         channel.close()
     gc.collect()
-
-
-def join_group(
-    address: str,
-    port: int,
-    rank: int,
-    world_size: int,
-    device: torch.device,
-    timeout_s: float,
-    cancel: threading.Event | None = None,
-    group_name: str | None = None,
-) -> dist.ProcessGroup:
-    """Rank 0 hosts the store, listening on `address` only (never on every interface).
-    Blocks until every rank has joined (or the timeout); the other ranks first wait for the
-    store to listen, a wait that `cancel` ends at once. `group_name`: the group's keys are
-    laid out as torch's process-group helpers lay out a group of that name (see
-    `torch_group_store`), so a trainer that creates its group with them can be met."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if rank == 0:
-        listener = _listen(address, port)
-        store = dist.TCPStore(address, port, world_size, is_master=True, timeout=timeout,
-                              master_listen_fd=listener)  # fmt: skip
-    else:
-        _wait_for_store(address, port, timeout_s, cancel)
-        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
-    if group_name is not None:
-        store = torch_group_store(store, group_name, device)
-    group: dist.ProcessGroup
-    if device.type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout  # the watchdog's limit for a collective
-        group = dist.ProcessGroupNCCL(store, rank, world_size, options)
-    else:
-        group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if group_name is not None:
-        group._set_sequence_number_for_group()  # as the helpers do (rank 0 publishes it)
-    return group
-
-
-def torch_group_store(store: dist.Store, group_name: str, device: torch.device) -> dist.Store:
-    """`store` as the backend of a group named `group_name` sees it when the group is made
-    the way SGLang's `init_custom_process_group` makes it (slime's and AReaL's trainers use
-    copies): the rendezvous store prefixed with the name, then torch's
-    `_new_process_group_helper` prefixes `{group_name}/` and the device type. Joining with
-    these keys meets such a trainer without torch's global group registry. The layout is
-    torch's (stable since 2.0; checked against the installed torch in the tests)."""
-    named = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
-    return dist.PrefixStore("cuda/" if device.type == "cuda" else "cpu/", named)
-
-
-def _listen(address: str, port: int) -> int:
-    """A socket listening on `address`:`port` only; its descriptor goes to the store."""
-    try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(128)
-        except OSError:
-            sock.close()
-            raise
-    except OSError as e:
-        # The trainer's side (rank 0): its GlooTrainerInitInfo.master_address.
-        raise InvalidArgument(
-            "master_address", f"master_address: cannot listen on {address}:{port} ({e})"
-        ) from None
-    return sock.detach()  # the store owns and closes it
-
-
-def _wait_for_store(
-    address: str, port: int, timeout_s: float, cancel: threading.Event | None
-) -> None:
-    """Until something accepts connections at address:port. torch's own connect retries
-    for the whole timeout inside one uninterruptible call; probing first keeps a wrong or
-    closed port cancellable (`/finish_weight_update {"abort": true}`)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((address, port), timeout=min(1.0, max(remaining, 0.01))):
-                return
-        except OSError as e:
-            error = e
-        if cancel is not None and cancel.is_set():
-            raise RendezvousCancelled("init_weight_transfer_engine: cancelled")
-        if time.monotonic() >= deadline:
-            raise InvalidArgument(
-                "init_info.master_port",
-                f"init_info.master_port: no store answered at {address}:{port} within "
-                f"{timeout_s:g} s ({error})",
-            )
-        if cancel is not None:
-            cancel.wait(PROBE_INTERVAL_S)
-        else:
-            time.sleep(PROBE_INTERVAL_S)
 
 
 def _int(

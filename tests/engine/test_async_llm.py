@@ -14,12 +14,14 @@ import pytest
 from hotswap import AsyncLLM, EngineDeadError, RequestOutputKind, SamplingParams
 from hotswap.engine.scheduler import PauseState
 from hotswap.outputs import RequestOutput
+from tests.helpers.waiting import until
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHARED = "Reinforcement learning trains a policy while it keeps generating rollouts. " * 3
 
 
-@pytest.fixture(params=["inproc", "process"])
+# A child process per engine costs seconds: the process transport is slow.
+@pytest.fixture(params=["inproc", pytest.param("process", marks=pytest.mark.slow)])
 def transport(request) -> str:  # noqa: ANN001
     return request.param
 
@@ -76,6 +78,11 @@ async def drain() -> None:
         await asyncio.sleep(0)
 
 
+async def holding(llm: AsyncLLM, count: int) -> bool:
+    """Whether the engine holds `count` requests (admitted, not finished)."""
+    return (await llm.get_stats())["num_requests"] == count
+
+
 async def assert_no_leak(llm: AsyncLLM) -> None:
     stats = await llm.get_stats()
     assert stats["num_requests"] == stats["num_running"] == stats["num_waiting"] == 0
@@ -103,7 +110,8 @@ def test_pause_mode_matrix(make_engine, mode: str) -> None:
             await asyncio.sleep(0.2)
             assert len(inflight.outputs) == seen  # frozen: no token while paused
         queued = Stream(llm, "Pause", SamplingParams(temperature=0, max_tokens=20), "queued")
-        await asyncio.sleep(0.2)
+        held = 1 if mode == "keep" else 0  # the in-flight request, frozen
+        await until(lambda: holding(llm, held + 1), "the paused engine holds the request")
         assert queued.outputs == []  # accepted, pending until resume
         await llm.resume_generation()
         await asyncio.wait_for(asyncio.gather(inflight.task, queued.task), 30)
@@ -355,6 +363,7 @@ def test_shutdown_leaves_no_process_or_socket(make_engine, transport: str) -> No
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_engine_process_exits_and_cleans_up_when_its_parent_is_killed(tiny_llama) -> None:
     import subprocess
     import sys

@@ -35,6 +35,7 @@ async def generate_all(llm: AsyncLLM) -> list[list[int]]:
     return list(await asyncio.gather(*(one(i) for i in range(len(PROMPTS)))))
 
 
+@pytest.mark.slow
 def test_two_ranks_serve_control_and_sync_as_one(tiny_model_factory) -> None:
     v1, v2 = tiny_model_factory("llama", seed=0), tiny_model_factory("llama", seed=1)
     expected_v1, expected_v2 = reference(v1), reference(v2)

@@ -8,6 +8,9 @@ import torch
 from hotswap import LLM, SamplingParams
 from tests.helpers.recording import record_logits
 
+# Engines in this process, each test seconds: the whole module is slow.
+pytestmark = pytest.mark.slow
+
 SHARED = "Reinforcement learning trains a policy while it keeps generating rollouts. " * 3
 PROMPTS = [SHARED + "The quick", SHARED + "Paged attention", "Pause", SHARED + "Numbers 0123"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -12,6 +12,7 @@ import torch
 
 from hotswap import AsyncLLM, SamplingParams
 from hotswap.engine.errors import EngineStateError
+from tests.helpers.waiting import until
 
 PROMPT = "Reinforcement learning trains a policy while it keeps generating rollouts. " * 2
 PARAMS = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -35,6 +36,11 @@ def make_engine(tiny_llama):
 
 def core_of(llm: AsyncLLM):  # noqa: ANN201 - the in-process EngineCore
     return llm.client.core
+
+
+async def holding(llm: AsyncLLM, count: int) -> bool:
+    """Whether the engine holds `count` requests (admitted, not finished)."""
+    return (await llm.get_stats())["num_requests"] == count
 
 
 async def tokens_of(llm: AsyncLLM, prompt: str, request_id: str) -> list[int]:
@@ -84,7 +90,7 @@ def test_level1_keep_frees_kv_offloads_weights_and_resumes_exactly(make_engine) 
         assert core.scheduler.kv.num_free_blocks == core.scheduler.kv.pool.num_blocks
         assert (await llm.get_weight_info())["digest"] is None
         queued = asyncio.ensure_future(tokens_of(llm, PROMPT, "queued"))
-        await asyncio.sleep(0.2)
+        await until(lambda: holding(llm, 2), "the sleeping engine holds both requests")
         assert not task.done() and not queued.done()
         assert await llm.wake_up() == {
             "is_sleeping": False,
@@ -145,7 +151,7 @@ def test_level2_discards_weights_until_loaded_from_disk(make_engine, tiny_llama)
         assert stats["weights_missing"] and not stats["is_sleeping"]
         assert all(torch.count_nonzero(p) == 0 for p in core_of(llm).runner.model.parameters())
         queued = asyncio.ensure_future(tokens_of(llm, PROMPT, "queued"))
-        await asyncio.sleep(0.2)
+        await until(lambda: holding(llm, 1), "the engine holds the request")
         assert not queued.done()  # no step runs on discarded weights
         info = await llm.load_weights_from_disk(str(tiny_llama), "reloaded")
         assert info == {"version": 1, "label": "reloaded"}
@@ -201,7 +207,8 @@ def test_weights_cannot_start_changing_while_a_sleep_waits(make_engine) -> None:
         stream = llm.generate(PROMPT, params, request_id="long")
         await anext(stream)
         sleeping = asyncio.create_task(llm.sleep(1, "wait"))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the task sends the call (AsyncLLM sends, then awaits)
+        await llm.is_paused()  # answered in order: the engine has taken the sleep in
         assert not sleeping.done()
         with pytest.raises(EngineStateError, match="start_weight_update: a sleep is in progress"):
             await llm.start_weight_update()

@@ -46,6 +46,7 @@ def reference(tiny_llama: Path) -> LLM:
     )
 
 
+@pytest.mark.slow
 def test_generate_prints_every_prompt_and_its_completion(tiny_llama: Path, reference: LLM) -> None:
     result = hotswap(
         "generate", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "5",
@@ -59,6 +60,7 @@ def test_generate_prints_every_prompt_and_its_completion(tiny_llama: Path, refer
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_chat_applies_the_chat_template(tiny_llama: Path, reference: LLM) -> None:
     prompts = ["hello", "Pause, swap the weights"]
     result = hotswap(

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.helpers.server import RemoteServer
+from tests.helpers.waiting import requests_waiting, until
 
 MODEL = "tiny"
 SHARED = "Reinforcement learning trains a policy while it keeps generating rollouts. " * 3
@@ -80,6 +81,10 @@ class StreamingCompletion:
         return max((s["end"] for s in spans), default=0)
 
 
+async def _waiting(http: httpx.AsyncClient, count: int) -> bool:
+    return await requests_waiting(http) == count
+
+
 async def kv_is_idle(http: httpx.AsyncClient) -> bool:
     text = (await http.get("/metrics")).text
     values = {}
@@ -120,7 +125,8 @@ def test_request_lifecycle_per_pause_mode(server: RemoteServer, client, mode: st
             await asyncio.wait_for(inflight.first.wait(), 30)
             r = await http.post("/pause", params={"mode": mode, "clear_cache": "false"})
             assert r.status_code == 200
-            await asyncio.sleep(0.1)
+            if mode != "keep":  # the stream's last chunk follows the pause's answer
+                await until(lambda: inflight.finish_reason, "the in-flight request finished")
             if mode == "abort":
                 assert inflight.finish_reason == "abort" and 0 < inflight.num_tokens < 200
             elif mode == "wait":
@@ -131,7 +137,7 @@ def test_request_lifecycle_per_pause_mode(server: RemoteServer, client, mode: st
                 await asyncio.sleep(0.3)
                 assert len(inflight.chunks) == seen  # frozen: no chunk while paused
             queued = StreamingCompletion(http, completion_body("Pause", 12, stream=True))
-            await asyncio.sleep(0.3)
+            await until(lambda: _waiting(http, 1), "the engine holds the queued request")
             assert queued.chunks == []  # connection open, request pending
             assert (await http.post("/resume")).status_code == 200
             await asyncio.wait_for(asyncio.gather(inflight.task, queued.task), 60)
@@ -145,6 +151,7 @@ def test_request_lifecycle_per_pause_mode(server: RemoteServer, client, mode: st
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_clear_cache_keeps_golden_output_and_controls_cached_tokens(client) -> None:
     def run() -> dict:
         r = client.post("/v1/completions", json=completion_body(SHARED + "Paged", 16))
@@ -165,6 +172,7 @@ def test_clear_cache_keeps_golden_output_and_controls_cached_tokens(client) -> N
 
 
 # -- aborts and cache ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_abort_requests_by_id_and_all(server: RemoteServer, client) -> None:
     async def scenario() -> None:
         async with server.async_client() as http:
@@ -196,6 +204,7 @@ def test_abort_requests_by_id_and_all(server: RemoteServer, client) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_reset_prefix_cache(client) -> None:
     r = client.post("/reset_prefix_cache")
     assert r.status_code == 200 and r.json() == {"success": True}
@@ -204,6 +213,7 @@ def test_reset_prefix_cache(client) -> None:
     assert client.post("/flush_cache").json() == {"success": True}
 
 
+@pytest.mark.slow
 def test_streaming_disconnect_frees_kv(server: RemoteServer, client) -> None:
     async def scenario() -> None:
         async with server.async_client() as http:
@@ -223,6 +233,7 @@ def test_streaming_disconnect_frees_kv(server: RemoteServer, client) -> None:
 
 
 # -- weight versions ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_weight_version_routes(client) -> None:
     info = client.get("/weight_info").json()
     assert info["weight_version"] == "default" and isinstance(info["digest"], str)
@@ -247,6 +258,7 @@ def test_weight_version_routes(client) -> None:
 
 
 # -- sleep -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sleep_levels_tags_and_queued_requests(server: RemoteServer, client) -> None:
     for level in (0, 1):
         r = client.post("/sleep", params={"level": level})
@@ -283,6 +295,7 @@ def test_sleep_levels_tags_and_queued_requests(server: RemoteServer, client) -> 
     asyncio.run(queued_during_sleep())
 
 
+@pytest.mark.slow
 def test_sleep_level2_then_reload_from_disk(client, tiny_llama) -> None:
     golden = client.post("/v1/completions", json=completion_body("Swap", 8)).json()
     assert client.post("/sleep", params={"level": 2}).status_code == 200
@@ -298,6 +311,7 @@ def test_sleep_level2_then_reload_from_disk(client, tiny_llama) -> None:
     assert client.get("/weight_info").json()["weight_version"] == "v2"
 
 
+@pytest.mark.slow
 def test_sglang_dialect(client) -> None:
     for mode in ("abort", "retract", "in_place"):
         assert client.post("/pause_generation", json={"mode": mode}).status_code == 200
@@ -312,6 +326,7 @@ def test_sglang_dialect(client) -> None:
     assert client.get("/is_paused").json() == {"is_paused": False}
 
 
+@pytest.mark.slow
 def test_metrics_report_state(client) -> None:
     client.post("/pause", params={"mode": "keep"})
     text = client.get("/metrics").text
@@ -323,6 +338,7 @@ def test_metrics_report_state(client) -> None:
 
 
 # -- security and control switch ---------------------------------------------------------------
+@pytest.mark.slow
 def test_api_key_and_control_disabled(tiny_llama) -> None:
     with RemoteServer(tiny_llama, "--served-model-name", MODEL, "--api-key", "sekret") as srv:
         assert httpx.get(f"{srv.url}/health").status_code == 200  # open
@@ -337,6 +353,7 @@ def test_api_key_and_control_disabled(tiny_llama) -> None:
         assert srv.stop() == 0  # Ctrl-C: clean exit
 
 
+@pytest.mark.slow
 def test_dev_mode_environment_enables_control(tiny_llama) -> None:
     env = {"HOTSWAP_SERVER_DEV_MODE": "1"}
     with RemoteServer(tiny_llama, "--served-model-name", MODEL, env=env) as srv:

@@ -9,6 +9,9 @@ import torch
 
 from tests.helpers.server import RemoteServer
 
+# Every test here talks to a server (its own process and engine): slow.
+pytestmark = pytest.mark.slow
+
 MODEL = "tiny"
 SERVER_ARGS = (
     "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256",

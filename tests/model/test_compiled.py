@@ -15,6 +15,9 @@ from safetensors.torch import load_file
 from hotswap import LLM, SamplingParams
 from tests.model.test_parity import PROMPTS, hf_reference, run_engine
 
+# Compiles decode graphs for engines in this process: slow.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def compiling():  # noqa: ANN201

@@ -132,6 +132,7 @@ def test_gemv_refuses_mismatched_shapes(ops) -> None:  # noqa: ANN001
         ops.gemv(torch.zeros(1, 8), torch.zeros(4, 9))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [4, 16], ids=["gemv", "amx-or-packed"])
 def test_engine_decode_through_the_kernels_matches_prefill_scores(
     ops,

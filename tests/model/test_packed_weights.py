@@ -11,6 +11,9 @@ from safetensors.torch import load_file
 from hotswap import LLM, SamplingParams
 from hotswap.model.packed import can_pack
 
+# Engines in this process over packed weights, each test seconds: slow.
+pytestmark = pytest.mark.slow
+
 SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=512)  # fmt: skip
 PROMPTS = [[3 + i, 40 + 2 * i, 7, 99 - i, 12] * 3 for i in range(16)]  # 16 rows: packed

@@ -8,6 +8,9 @@ import time
 
 import pytest
 
+# Engine cores as Ray actors (a local Ray): slow.
+pytestmark = pytest.mark.slow
+
 ray = pytest.importorskip("ray")
 
 from hotswap import LLM, SamplingParams  # noqa: E402

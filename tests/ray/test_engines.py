@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+# Engine cores as Ray actors (a local Ray): slow.
+pytestmark = pytest.mark.slow
+
 ray = pytest.importorskip("ray")
 
 from hotswap import LLM, SamplingParams  # noqa: E402

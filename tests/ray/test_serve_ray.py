@@ -20,6 +20,7 @@ from hotswap.config import EngineArgs
 from hotswap.entrypoints.cli import build_parser, engine_kwargs
 from hotswap.errors import InvalidArgument
 from tests.helpers.server import RemoteServer
+from tests.helpers.waiting import requests_waiting, until, wait_until
 
 pytest.importorskip("ray")
 
@@ -73,6 +74,11 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+async def _holding(http: httpx.AsyncClient, count: int) -> bool:
+    """Whether the ranks hold `count` requests, waiting (paused), between them."""
+    return await requests_waiting(http) == count
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -120,7 +126,7 @@ def test_pause_holds_a_request_on_each_rank_until_resume(server: RemoteServer) -
                 asyncio.ensure_future(http.post("/v1/completions", json=completion(p)))
                 for p in PROMPTS[:2]
             ]
-            await asyncio.sleep(1.5)
+            await until(lambda: _holding(http, 2), "the ranks hold both requests")
             assert not any(task.done() for task in tasks)
             assert (await http.post("/resume")).status_code == 200
             replies = await asyncio.wait_for(asyncio.gather(*tasks), 30)
@@ -148,7 +154,7 @@ def test_a_killed_rank_fails_pending_requests_and_ray_stops_with_the_server(
                 asyncio.ensure_future(http.post("/v1/completions", json=completion(p)))
                 for p in PROMPTS[:2]
             ]
-            await asyncio.sleep(1.0)  # one request held on each rank
+            await until(lambda: _holding(http, 2), "one request is held on each rank")
             os.kill(victim, signal.SIGKILL)
             started = time.monotonic()
             replies = await asyncio.wait_for(asyncio.gather(*tasks), 10)
@@ -160,10 +166,9 @@ def test_a_killed_rank_fails_pending_requests_and_ray_stops_with_the_server(
 
     asyncio.run(scenario())
     assert server.stop() == 0
-    deadline = time.monotonic() + 15
-    while any(alive(pid) for pid in ray_processes) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert [pid for pid in ray_processes if alive(pid)] == []
+    wait_until(
+        lambda: not any(alive(pid) for pid in ray_processes), "Ray stopped with the server", 15
+    )
 
 
 # -- validation (no Ray started) -----------------------------------------------------------

@@ -16,6 +16,9 @@ import pytest
 
 from tests.reliability.conftest import assert_unharmed, weight_state
 
+# Every test here starts or talks to a server: slow.
+pytestmark = pytest.mark.slow
+
 COMPLETION = {"model": "tiny", "max_tokens": 2}
 CHAT = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
 

@@ -49,6 +49,7 @@ def test_key_from_file_or_environment(tmp_path: Path, monkeypatch) -> None:
         api_key(_serve_args("--api-key-file", str(tmp_path / "missing")))
 
 
+@pytest.mark.slow
 def test_server_takes_the_key_from_the_environment(v1_dir) -> None:
     env = {"HOTSWAP_API_KEY": "s3cret"}
     with RemoteServer(v1_dir, "--served-model-name", "tiny", env=env) as server:

@@ -21,6 +21,9 @@ from hotswap.entrypoints.cli import build_parser, engine_kwargs
 from tests.helpers.server import RemoteServer
 from tests.reliability.conftest import ARGS, assert_unharmed, weight_state
 
+# Servers and engines (disk rounds): slow.
+pytestmark = pytest.mark.slow
+
 CKPT = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 

@@ -1,17 +1,23 @@
 """The weight plane cannot be wedged or held by a trainer: a rendezvous with a closed port
-is cancellable and never makes other calls wait; a silent trainer's round is aborted after
-a short idle deadline; the engine joins only allowed master addresses; a store listens
-only on the address it was given."""
+is cancellable and never makes other calls wait; a cancel ends a join promptly whichever
+side hosts the store; a silent trainer's round is aborted after a short idle deadline; the
+engine joins only allowed master addresses; a store listens only on the address it was
+given."""
 
 from __future__ import annotations
 
+import datetime
+import socket
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import torch.distributed as dist
 
 from hotswap.weight_transfer import (
     GlooTrainerInitInfo,
@@ -19,7 +25,9 @@ from hotswap.weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from hotswap.weight_transfer.broadcast import join_group
+from hotswap.weight_transfer.broadcast import GlooEngine, join_group
+from hotswap.weight_transfer.rendezvous import RendezvousCancelled
+from tests.helpers.waiting import wait_until
 from tests.reliability.conftest import assert_unharmed, weight_state
 from tests.weight_transfer.conftest import free_port
 
@@ -36,6 +44,7 @@ def _send(server, trainer) -> dict:
     return weight_state(server)
 
 
+@pytest.mark.slow
 def test_pending_rendezvous_never_wedges_the_weight_plane(gloo_server, v2_trainer) -> None:
     before = weight_state(gloo_server)
     closed_port = free_port()  # nothing listens there
@@ -48,8 +57,11 @@ def test_pending_rendezvous_never_wedges_the_weight_plane(gloo_server, v2_traine
         ))
     )  # fmt: skip
     pending.start()
-    time.sleep(1.0)
     with gloo_server.client(timeout=5) as client:
+        wait_until(
+            lambda: "waiting for the trainer" in client.post("/prepare_weight_update").text,
+            "the engine is waiting for the trainer",
+        )
         assert client.get("/get_world_size").json() == {"world_size": 1}
         for path, body in [
             ("/init_weight_transfer_engine", init),
@@ -73,6 +85,60 @@ def test_pending_rendezvous_never_wedges_the_weight_plane(gloo_server, v2_traine
     assert _send(gloo_server, v2_trainer)["digest"] != before["digest"]
 
 
+def _in_thread(fn: Callable[[], object]) -> Future:
+    """`fn()` on a daemon thread (a join that never ends must not hold the test run)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("engine_hosts_store", [True, False], ids=["engine-hosts", "trainer-hosts"])
+def test_cancel_ends_a_join_whichever_rank_hosts_the_store(engine_hosts_store: bool) -> None:
+    """An init waiting for its trainer ends within moments of its cancel, also past the
+    store probe: the engine hosting the store (TRL's layout: the trainer last, it never
+    joins) or connected to the trainer's store (the trainer never forms its group). The
+    join's own timeout (60 s) is far beyond the deadline."""
+    port = free_port()
+    engine = GlooEngine(torch.device("cpu"))
+    init = {"master_address": "127.0.0.1", "master_port": port, "world_size": 2,
+            "timeout_s": 60}  # fmt: skip
+    if engine_hosts_store:
+        init |= {"trainer_rank": 1, "rank_offset": 0}
+        joining = _in_thread(lambda: engine.init_transfer_engine(init))
+        wait_until(lambda: _accepts(port), "the engine's store listens")
+    else:
+        trainer_store = dist.TCPStore("127.0.0.1", port, 2, is_master=True,
+                                      timeout=datetime.timedelta(seconds=60),
+                                      wait_for_workers=False)  # fmt: skip
+        joining = _in_thread(lambda: engine.init_transfer_engine(init))
+        # A connected client shows as a key (torch's join counter) in the host's store.
+        wait_until(lambda: trainer_store.num_keys() > 0, "the engine connected to the store")
+    cancelled_at = time.monotonic()
+    engine.cancel.set()
+    with pytest.raises(RendezvousCancelled):
+        joining.result(timeout=5)
+    assert time.monotonic() - cancelled_at < 2
+    assert engine.channel is None
+    if engine_hosts_store:  # the store was closed with the join: its port is free again
+        wait_until(lambda: not _accepts(port), "the engine's store is closed")
+
+
+@pytest.mark.slow
 def test_silent_trainer_round_is_aborted_and_generation_resumes(gloo_server, v2_trainer):
     """round_timeout_s is 3 s on this server: a round started and then left silent stops
     generation only that long; then a new trainer's init is accepted."""
@@ -90,6 +156,7 @@ def test_silent_trainer_round_is_aborted_and_generation_resumes(gloo_server, v2_
     _send(gloo_server, v2_trainer)
 
 
+@pytest.mark.slow
 def test_master_address_not_allowed_is_400(gloo_server) -> None:
     before = weight_state(gloo_server)
     init = {"init_info": {"master_address": "192.0.2.1", "master_port": 29500,

@@ -59,6 +59,7 @@ def test_attach_refuses_a_link_to_another_segment(shm_name: str) -> None:
     assert Segment.attach(real.name).size == 256  # the segment itself is fine
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["symlink", "directory"])
 def test_segment_that_is_not_a_segment_is_refused_over_http(
     ipc_server, tmp_path: Path, shm_name: str, kind: str
@@ -82,6 +83,7 @@ def test_segment_that_is_not_a_segment_is_refused_over_http(
         assert_unharmed(ipc_server, client, before)
 
 
+@pytest.mark.slow
 def test_wrong_shape_is_refused_naming_the_shape(ipc_server) -> None:
     before = weight_state(ipc_server)
     segment = Segment.create(64)  # too small for what the sender claims: shape comes first

@@ -20,6 +20,9 @@ from hotswap.weight_transfer import (
 from tests.helpers.server import RemoteServer
 from tests.weight_transfer.conftest import free_port
 
+# Several servers behind one group: slow.
+pytestmark = pytest.mark.slow
+
 ARGS = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control")
 STRICT = '{"backend": "gloo", "require_complete": true}'
 LENIENT = '{"backend": "gloo"}'

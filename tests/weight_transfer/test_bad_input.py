@@ -21,6 +21,9 @@ from hotswap.weight_transfer import (
 from hotswap.weight_transfer.base import ParamMeta
 from tests.weight_transfer.conftest import free_port
 
+# Engines in this process, one or more per test (gloo groups among them): slow.
+pytestmark = pytest.mark.slow
+
 NORM = "model.norm.weight"
 
 

@@ -20,6 +20,9 @@ from hotswap.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 
+# Engines in this process, one or more per test: slow.
+pytestmark = pytest.mark.slow
+
 SWAP = {"backend": "ipc", "double_buffer": True}
 
 

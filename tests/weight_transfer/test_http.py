@@ -25,6 +25,9 @@ from hotswap.weight_transfer import (
 from tests.helpers.server import RemoteServer
 from tests.weight_transfer.conftest import free_port
 
+# Servers and trainer processes: slow.
+pytestmark = pytest.mark.slow
+
 ARGS = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control")
 
 

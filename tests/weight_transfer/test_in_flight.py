@@ -22,6 +22,9 @@ from hotswap.weight_transfer import (
 from tests.weight_transfer.conftest import free_port
 from tests.weight_transfer.test_mid_flight_swap import ENGINE, MAX_TOKENS, PROMPTS
 
+# Rounds landing mid-generation in engines in this process, seconds each: slow.
+pytestmark = pytest.mark.slow
+
 
 async def _trainer(llm: AsyncLLM, module) -> object:  # noqa: ANN001
     await llm.get_weight_version()  # binds the engine to this event loop

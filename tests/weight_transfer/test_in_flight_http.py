@@ -21,7 +21,11 @@ from hotswap.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 from tests.helpers.server import RemoteServer
+from tests.helpers.waiting import wait_until
 from tests.weight_transfer.conftest import free_port
+
+# A server and trainer processes: slow.
+pytestmark = pytest.mark.slow
 
 CONFIG = '{"backend": "gloo", "in_flight": true, "double_buffer": true}'
 MAX_TOKENS = 480  # the tiny model's 512 positions, less the prompts
@@ -124,7 +128,7 @@ def test_a_trainer_killed_mid_round_while_generation_runs(server, v1_trainer, v2
         assert time.monotonic() < deadline, "the engine never noticed the dead trainer"
         time.sleep(0.05)
     closed = time.monotonic()
-    time.sleep(0.5)
+    wait_until(lambda: any(t > closed for t in arrivals), "a token after the round was aborted")
     stop.set()
     streamer.join(60)
     held = sum(marks["round open"] <= t <= marks["dying mid-round"] for t in arrivals)

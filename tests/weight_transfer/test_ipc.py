@@ -48,6 +48,7 @@ def engine_params(llm: LLM) -> dict[str, torch.Tensor]:
     return llm.engine.runner.model.parameter_index()
 
 
+@pytest.mark.slow
 def test_shared_source_is_sent_in_place_and_tracks_training(v1_dir, v2_dir) -> None:
     llm, trainer = make_llm(v1_dir), trainer_model(v2_dir)
     client = RecordingClient(llm)
@@ -66,6 +67,7 @@ def test_shared_source_is_sent_in_place_and_tracks_training(v1_dir, v2_dir) -> N
     assert all(_locate(p) is not None for p in trainer.parameters())
 
 
+@pytest.mark.slow
 def test_parameters_that_left_shared_memory_are_staged(v1_dir, v2_dir) -> None:
     llm, trainer = make_llm(v1_dir), trainer_model(v2_dir)
     assert share_module_memory(trainer) is not None
@@ -83,6 +85,7 @@ def test_parameters_that_left_shared_memory_are_staged(v1_dir, v2_dir) -> None:
     assert segment is not None and segment.size == trainer.model.norm.weight.nbytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("placement", "error"),
     [
@@ -112,6 +115,7 @@ def _mappings(name: str) -> int:
     return Path("/proc/self/maps").read_text().count(f"/dev/shm/{name}")
 
 
+@pytest.mark.slow
 def test_engine_drops_mappings_a_round_no_longer_uses(v1_dir, v2_dir) -> None:
     llm, trainer = make_llm(v1_dir), trainer_model(v2_dir)
     engine = WeightTransferTrainerFactory.trainer_init(
@@ -126,6 +130,7 @@ def test_engine_drops_mappings_a_round_no_longer_uses(v1_dir, v2_dir) -> None:
     assert llm.get_weight_info()["digest"] == digest(v2_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "error"),
     [

@@ -19,6 +19,9 @@ from hotswap.weight_transfer import (
 )
 from tests.weight_transfer.conftest import free_port
 
+# Engines (one in a process of its own), seconds each: slow.
+pytestmark = pytest.mark.slow
+
 PROMPTS = [
     "The quick brown fox",
     "Reinforcement learning trains a policy",

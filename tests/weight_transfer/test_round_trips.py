@@ -24,6 +24,12 @@ from tests.weight_transfer.conftest import free_port, trainer_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["The quick brown", "Pause, swap the weights"]
+# One gloo round trip is the quick check of the weight plane; the other backends and
+# layouts, and the other engine tests here, are slow.
+KINDS = ["gloo-packed"] + [
+    pytest.param(kind, marks=pytest.mark.slow)
+    for kind in ("gloo-unpacked", "gloo-small-buffers", "ipc", "ipc-packed", "disk")
+]
 
 
 def make_llm(path: Path, backend: str, **kw) -> LLM:
@@ -63,9 +69,7 @@ def trainer_info(kind: str, tmp_path: Path):  # noqa: ANN201
     }[kind]()
 
 
-@pytest.mark.parametrize(
-    "kind", ["gloo-packed", "gloo-unpacked", "gloo-small-buffers", "ipc", "ipc-packed", "disk"]
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_and_repeat(
     kind: str, v1_dir, v1_trainer, v2_trainer, reference, tmp_path: Path
 ) -> None:
@@ -95,6 +99,7 @@ def test_round_trip_and_repeat(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
 def test_bf16_trainer_into_fp32_engine(backend: str, v1_dir, v2_dir, tmp_path: Path) -> None:
     bf16 = trainer_model(v2_dir, torch.bfloat16)
@@ -111,6 +116,7 @@ def test_bf16_trainer_into_fp32_engine(backend: str, v1_dir, v2_dir, tmp_path: P
     assert torch.equal(params["lm_head"], sent["lm_head.weight"].float())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gloo-packed", "gloo-unpacked", "ipc"])
 def test_empty_and_partial_sources(kind: str, v1_dir, v2_trainer, reference, tmp_path) -> None:
     llm = make_llm(v1_dir, trainer_info(kind, tmp_path).backend)
@@ -128,6 +134,7 @@ def test_empty_and_partial_sources(kind: str, v1_dir, v2_trainer, reference, tmp
     assert llm.get_weight_info()["version"] == 2
 
 
+@pytest.mark.slow
 def test_engine_format_names_are_copied_directly(v1_dir, v2_dir, reference, tmp_path) -> None:
     source = LLM(str(v2_dir), dtype="float32", progress=False)
     engine_weights = {

@@ -22,6 +22,9 @@ from tests.helpers.server import RemoteServer
 from tests.helpers.torch_groups import areal_group
 from tests.weight_transfer.conftest import free_port, trainer_model
 
+# Every test here talks to a server (its own process and engine): slow.
+pytestmark = pytest.mark.slow
+
 PROMPT = "The quick brown"
 ROUND_CLOSED = 'hotswap:weight_round_open{model_name="tiny"} 0.0'
 GROUP = "update_weight_group"

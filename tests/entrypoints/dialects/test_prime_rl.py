@@ -23,6 +23,9 @@ from hotswap.weight_transfer import (
 from tests.helpers.server import RemoteServer
 from tests.weight_transfer.conftest import free_port, trainer_model
 
+# Every test here talks to a server (its own process and engine): slow.
+pytestmark = pytest.mark.slow
+
 PROMPT = "The quick brown"
 ROUND_CLOSED = 'hotswap:weight_round_open{model_name="tiny"} 0.0'
 

@@ -203,6 +203,7 @@ def test_a_named_group_is_unpacked() -> None:
 
 
 # -- slime's sequence ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_slime_update_sequence(http, reference, v2_tensors) -> None:
     ids = reference.tokenizer.encode(PROMPT)
     before_tokens, before = greedy(http, ids), weights(http)
@@ -242,6 +243,7 @@ def refused(response: httpx.Response, status: int, param: str | None) -> str:
     return error["message"]
 
 
+@pytest.mark.slow
 def test_bad_payloads_change_nothing(http, v2_tensors) -> None:
     before = weights(http)
     post = http.post
@@ -312,6 +314,7 @@ def test_bad_payloads_change_nothing(http, v2_tensors) -> None:
     assert weights(http) == before and round_closed(http)
 
 
+@pytest.mark.slow
 def test_a_good_update_after_a_drained_one(http, v2_tensors) -> None:
     """The same group carries a good update after one the model could not take."""
     name = "drained"
@@ -371,6 +374,7 @@ def patched(v1_dir: Path, inline_sent, tmp_path_factory) -> LLM:
     return LLM(str(directory), dtype="float32", progress=False)
 
 
+@pytest.mark.slow
 def test_tensors_by_value(http, v1_dir, reference, patched, inline_sent) -> None:
     response = http.post("/update_weights_from_disk", json={"model_path": str(v1_dir)})
     assert response.status_code == 200, response.text
@@ -406,6 +410,7 @@ def test_tensors_by_value(http, v1_dir, reference, patched, inline_sent) -> None
     assert weights(http)["version"] == after["version"] + 1
 
 
+@pytest.mark.slow
 def test_bad_tensors_by_value_change_nothing(http, inline_sent) -> None:
     before = weights(http)
     good = by_value("model.norm.weight", inline_sent["model.norm.weight"])
@@ -470,6 +475,7 @@ def wait_running(http: httpx.Client, count: int) -> dict:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_abort_request_and_loads(http, reference) -> None:
     ids = reference.tokenizer.encode(PROMPT)
     with ThreadPoolExecutor(2) as pool:

@@ -22,6 +22,7 @@ from hotswap.entrypoints.state import ServerConfig
 from hotswap.tokenizer import Tokenizer
 from hotswap.weight_transfer.trl_client import TRLClient
 from tests.helpers.server import RemoteServer
+from tests.helpers.waiting import wait_until
 from tests.weight_transfer.conftest import free_port, trainer_model
 
 ARGS = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control",
@@ -77,6 +78,7 @@ def round_closed(http: httpx.Client) -> bool:
     return ROUND_CLOSED in http.get("/metrics").text
 
 
+@pytest.mark.slow
 def test_trl_sequence_then_helper_round_trip(server, http, v1_dir, v2_dir) -> None:
     v1_trainer, v2_trainer = trainer_model(v1_dir), trainer_model(v2_dir)
     reference = LLM(str(v2_dir), dtype="float32", progress=False)
@@ -140,6 +142,7 @@ def test_trl_sequence_then_helper_round_trip(server, http, v1_dir, v2_dir) -> No
     assert r.status_code == 409 and "/init_communicator/" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_refusals_name_the_field_and_change_nothing(server, http, v1_dir) -> None:
     norm = trainer_model(v1_dir).model.norm.weight.detach()
     start = weight_info(http)
@@ -202,6 +205,32 @@ def test_refusals_name_the_field_and_change_nothing(server, http, v1_dir) -> Non
         assert r.json()["error"]["param"].startswith(param), r.text
 
 
+@pytest.mark.slow
+def test_close_ends_an_init_still_waiting_for_the_trainer(server, http) -> None:
+    """/close_communicator/ while the engine, hosting the group's store (TRL's layout),
+    still waits for a trainer that never joined: answered at once, and the wait ends
+    within moments, not at the join's timeout (120 s): a new init on the same port (the
+    cancelled store freed it) is accepted and its group forms."""
+    init = {"host": "0.0.0.0", "port": free_port(), "world_size": 2, "client_device_uuid": ""}
+    http.post("/init_communicator/", json=init).raise_for_status()
+    r = http.post("/close_communicator/")
+    assert r.json() == {"message": "Request received, closing communicator"}, r.text
+    answers: list[httpx.Response] = []
+
+    def init_taken() -> bool:  # refused (409 "being cancelled") until the engine's wait ends
+        answers.append(http.post("/init_communicator/", json=init))
+        return "being cancelled" not in answers[-1].text
+
+    wait_until(init_taken, "the cancelled wait ended", timeout_s=10)
+    r = answers[-1]
+    assert r.json() == {"message": "Request received, initializing communicator"}, r.text
+    group = join_as_last_rank(init["port"], 2)
+    http.post("/close_communicator/").raise_for_status()
+    del group
+    assert round_closed(http)
+
+
+@pytest.mark.slow
 def test_generate_and_chat_shapes(server, http, v1_dir) -> None:
     # Token id prompts come back as sent; n samples per prompt, prompt by prompt.
     ids = [[5, 6, 7], [8, 9]]
@@ -236,6 +265,7 @@ def test_generate_and_chat_shapes(server, http, v1_dir) -> None:
     assert r.json()["error"]["param"] == "body.messages[0][0].content[0]"
 
 
+@pytest.mark.slow
 def test_trailing_slash_routes_answer_without_redirect(http) -> None:
     for method, path in [("GET", "/health/"), ("GET", "/get_world_size/")]:
         r = http.request(method, path)
@@ -274,6 +304,7 @@ os._exit(1)  # dies before broadcasting
 """
 
 
+@pytest.mark.slow
 def test_failure_behind_an_answer_is_the_next_calls_answer(server, http, v1_dir) -> None:
     start = weight_info(http)
     port = free_port()

@@ -27,6 +27,9 @@ from hotswap.weight_transfer import (
 from tests.helpers.server import RemoteServer
 from tests.weight_transfer.conftest import free_port
 
+# Every test here talks to a server (its own process and engine): slow.
+pytestmark = pytest.mark.slow
+
 EXTENSION = "tests.helpers.gloo_extension:GlooReceiver"
 ARGS = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control")
 PROMPT = [5, 17, 42, 8, 99, 3]
