@@ -186,6 +186,7 @@ def plain_server(tiny_llama):  # noqa: ANN001, ANN201
         yield srv
 
 
+@pytest.mark.slow  # a second server
 def test_no_prompt_tokens_details_by_default(plain_server: RemoteServer) -> None:
     client = plain_server.openai()
     out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
@@ -205,6 +206,7 @@ def test_no_prompt_tokens_details_by_default(plain_server: RemoteServer) -> None
     assert unauthorized.status_code == 401
 
 
+@pytest.mark.slow  # a second server
 def test_weight_versions_across_an_update(plain_server: RemoteServer) -> None:
     """Pause mid-stream, commit a new weight version, resume: the chunks' spans switch
     from version 0 to 1 at the pause, and the spans stay absolute and contiguous."""
