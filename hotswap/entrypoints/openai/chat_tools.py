@@ -217,8 +217,9 @@ class ChoiceParser:
         elif self.required:
             self.forced_text += content
             out.content = None
-            if final:
+            if final:  # the array, or (cut by max_tokens) its text, as `final` gives it
                 out.tool_calls = self._required_deltas()
+                out.content = None if out.tool_calls else self.forced_text or None
         elif self.tools is not None:
             parsed = self.tools.feed(content) if content else ParsedDelta()
             if final:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from hotswap.entrypoints.limits import CheckedModel
 from hotswap.entrypoints.openai.protocol import (
@@ -120,11 +120,18 @@ class GenerateRequest(RequestModel):
 
 
 class GenerateLogProb(BaseModel):
-    """One candidate: the integer token id (the tokens level carries no token text)."""
+    """One candidate: the integer token id (the tokens level carries no token text), and
+    `token` as "token_id:N": vLLM 0.22's shape of this route, which prime-rl pins and
+    verifiers' training client (renderers) requires; current vLLM clients ignore it."""
 
     token_id: int
     logprob: float
     rank: int | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def token(self) -> str:
+        return f"token_id:{self.token_id}"
 
 
 class GenerateLogProbsContent(GenerateLogProb):

@@ -101,6 +101,8 @@ def test_required_calls_parse_the_array_or_fall_back_to_content() -> None:
     parser = ChoiceParser(body, AGENT, thinking=False)
     out = streamed(parser, [text[:10], text[10:]])
     assert [c.function.name for c in out.tool_calls] == ["lookup"]
+    cut_stream = streamed(ChoiceParser(body, AGENT, thinking=False), [text[:8], text[8:20]])
+    assert cut_stream.tool_calls == [] and cut_stream.content == text[:20]  # as `final`
 
 
 def test_forced_call_schemas() -> None:

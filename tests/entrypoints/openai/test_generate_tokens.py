@@ -64,6 +64,9 @@ def test_vllm_shaped_body(http) -> None:
         first, second = entry["top_logprobs"]
         assert (first["token_id"], first["logprob"]) == (entry["token_id"], entry["logprob"])
         assert second["rank"] == 2 and second["logprob"] <= first["logprob"] < 0
+        # vLLM 0.22's "token_id:N" too (prime-rl's pin; verifiers' training client reads it)
+        for each in (entry, first, second):
+            assert each["token"] == f"token_id:{each['token_id']}"
     # vLLM's WeightVersionSpan (version: the label) plus hotswap's provenance
     assert choice["weight_versions"] == [
         {"version": "default", "start": 0, "end": 8, "label": "default", "weight_gen": 0,
