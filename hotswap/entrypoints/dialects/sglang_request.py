@@ -22,6 +22,7 @@ from hotswap.entrypoints.dialects.sglang_protocol import (
 from hotswap.entrypoints.dialects.sglang_render import Job, LogprobSpec
 from hotswap.entrypoints.errors import APIError, param_of
 from hotswap.entrypoints.limits import off_loop, printable_field
+from hotswap.entrypoints.openai.constraints import parse_logit_bias
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
     check_unknown_fields,
@@ -314,7 +315,7 @@ def _job(
             skip_special_tokens=_or(fields.skip_special_tokens, True),
             spaces_between_special_tokens=_or(fields.spaces_between_special_tokens, True),
             max_weight_lag=fields.max_weight_lag,
-            logit_bias=_logit_bias(fields, prefix),
+            logit_bias=parse_logit_bias(fields.logit_bias, f"{prefix}.logit_bias", None),
             structured_outputs=_constraint(fields, prefix),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
@@ -353,16 +354,3 @@ def _constraint(fields: SGLangSampling, prefix: str) -> StructuredOutputsParams 
     except InvalidArgument as e:
         raise APIError(400, f"{_label(prefix)}.{name}: {e}", f"{prefix}.{name}") from None
     return params
-
-
-def _logit_bias(fields: SGLangSampling, prefix: str) -> dict[int, float] | None:
-    if not fields.logit_bias:
-        return None
-    try:
-        return {int(token): bias for token, bias in fields.logit_bias.items()}
-    except ValueError:
-        raise APIError(
-            400,
-            f"{_label(prefix)}.logit_bias: keys must be token ids",
-            f"{prefix}.logit_bias",
-        ) from None

@@ -24,10 +24,18 @@ _GUIDED = {
 
 def logit_bias_of(body: SamplingRequest) -> dict[int, float] | None:
     """vLLM's conversion: keys are token ids written as strings, biases clamped."""
-    if not body.logit_bias:
+    return parse_logit_bias(body.logit_bias, "body.logit_bias")
+
+
+def parse_logit_bias(
+    bias: dict[str, float] | None, param: str, limit: float | None = LOGIT_BIAS_LIMIT
+) -> dict[int, float] | None:
+    """Token ids written as strings -> int keys (400 naming `param` otherwise); biases
+    clamped to +-`limit` (None: as given, SGLang's way)."""
+    if not bias:
         return None
-    bias: dict[int, float] = {}
-    for key, value in body.logit_bias.items():
+    parsed: dict[int, float] = {}
+    for key, value in bias.items():
         try:
             token = int(key)
         except ValueError:
@@ -35,10 +43,10 @@ def logit_bias_of(body: SamplingRequest) -> dict[int, float] | None:
                 400,
                 f"logit_bias: found token_id {key!r} that is not an integer or a string "
                 "representing an integer",
-                "body.logit_bias",
+                param,
             ) from None
-        bias[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value))
-    return bias
+        parsed[token] = value if limit is None else min(limit, max(-limit, value))
+    return parsed
 
 
 def structured_outputs_of(body: SamplingRequest) -> StructuredOutputsParams | None:

@@ -166,7 +166,7 @@ class GenerateWeightSpan(BaseModel):
     stale: bool = False
 
 
-class PromptTokensDetails(BaseModel):
+class GeneratePromptTokensDetails(BaseModel):
     cached_tokens: int | None = None
     created_cache_tokens: int | None = None
     multimodal_tokens: dict[str, int] | None = None
@@ -176,7 +176,7 @@ class GenerateUsage(BaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int | None = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: GeneratePromptTokensDetails | None = None
     completion_tokens_details: dict[str, int] | None = None
 
 

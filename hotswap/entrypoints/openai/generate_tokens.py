@@ -39,6 +39,7 @@ from hotswap.entrypoints.openai.generate_protocol import (
     GenerateLogProb,
     GenerateLogProbs,
     GenerateLogProbsContent,
+    GeneratePromptTokensDetails,
     GenerateRequest,
     GenerateResponse,
     GenerateStreamResponse,
@@ -46,7 +47,6 @@ from hotswap.entrypoints.openai.generate_protocol import (
     GenerateTokensChoice,
     GenerateUsage,
     GenerateWeightSpan,
-    PromptTokensDetails,
     TextLogProbs,
 )
 from hotswap.entrypoints.openai.params import check_model, served_model_name
@@ -145,7 +145,7 @@ def generate_response(ctx: GenerateContext, final: RequestOutput) -> GenerateRes
 
 
 def _usage(prompt: int, completion: int, cached: int | None) -> GenerateUsage:
-    details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
+    details = None if cached is None else GeneratePromptTokensDetails(cached_tokens=cached)
     return GenerateUsage(
         prompt_tokens=prompt,
         completion_tokens=completion,
