@@ -5,14 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hotswap.errors import InvalidArgument
-from hotswap.generation_config import default_sampling
 from hotswap.weight_transfer.config import WeightTransferConfig
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -128,166 +127,6 @@ class EngineConfig:
     default_sampling: dict[str, Any] = field(default_factory=dict)  # generation_config
 
 
-@dataclass
-class EngineArgs:
-    """The flat, user-facing knobs (Python kwargs and CLI flags share these names)."""
-
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int | None = None
-    max_prefill_tokens_while_decoding: int | None = None
-    enable_chunked_prefill: bool = True
-    batch_invariant: bool = False
-    device: str = "cpu"
-    # Engine cores behind one front-end (AsyncLLM multiprocess / hotswap serve); with CUDA,
-    # rank i runs on the device's index + i (backend "ray": on the GPU Ray gives it).
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0  # set per engine core by the data-parallel front-end
-    # Where the engine cores run (vLLM's --data-parallel-backend): "mp", child processes
-    # of the front-end; "ray", Ray actors (one placement-group bundle each; hotswap[ray]).
-    data_parallel_backend: str = "mp"
-    # The Ray cluster for backend "ray" ("auto", "ray://host:10001", ...); None: the one
-    # this process already joined, else `ray.init()`'s (a new local one if none is found).
-    ray_address: str | None = None
-    # torch threads per engine core (None: torch's choice); process-wide when the engine
-    # runs in this process
-    num_threads: int | None = None
-    enable_sleep_mode: bool = False
-    # JSON text or dict, e.g. {"backend": "gloo"} (see hotswap.weight_transfer)
-    weight_transfer_config: str | dict[str, Any] | None = None
-    # What logprobs report (vLLM's names): raw_logprobs, raw_logits, processed_logprobs
-    # (the distribution tokens are drawn from: what RL importance ratios need),
-    # processed_logits.
-    logprobs_mode: str = "raw_logprobs"
-    # dtype of the final norm and LM head (None: dtype); "float32" for RL with a bf16 body
-    lm_head_dtype: str | None = None
-    # Directories a disk reload (/update_weights_from_disk, the disk backend) may read
-    # from, symlinks resolved; None: the model directory's parent.
-    allowed_weight_dirs: list[str] | None = None
-    # A class whose public methods `collective_rpc` calls inside the engine core (vLLM's
-    # --worker-extension-cls): "module:Class" or "module.Class".
-    worker_extension_cls: str | None = None
-    # Run the model eagerly, never through torch.compile (vLLM's --enforce-eager).
-    enforce_eager: bool = False
-    # hotswap's CPU kernels (built once per machine): paged decode attention reading the
-    # KV cache in place and a bf16 GEMV for single rows. False: torch operators only.
-    cpu_kernels: bool = True
-    # With the CPU kernels: a oneDNN-packed copy of the bf16 linear weights for batches of
-    # more than 8 rows (15-25% faster GEMMs; one more copy of those weights in memory,
-    # remade in the first step after each weight commit, ~0.1 s for the default model).
-    prepack_weights: bool = True
-    # Default sampling parameters (vLLM's flags; hotswap.generation_config)
-    generation_config: str = "auto"
-    override_generation_config: str | dict[str, Any] | None = None
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}
-
-    def create_engine_config(self) -> EngineConfig:
-        model_dir = resolve_model_path(self.model)
-        hf_config = read_hf_config(model_dir)
-        model_cfg = ModelConfig(
-            path=model_dir,
-            hf_config=hf_config,
-            dtype=parse_dtype(self.dtype),
-            max_model_len=self._resolve_max_model_len(hf_config),
-            load_format=_check_choice("load_format", self.load_format, ("auto", "dummy")),
-            seed=self.seed,
-            head_dtype=self._head_dtype(),
-        )
-        _check_positive("data_parallel_size", self.data_parallel_size)
-        check_data_parallel_backend(self.data_parallel_backend, self.ray_address)
-        if self.num_threads is not None:
-            _check_positive("num_threads", self.num_threads)
-        return EngineConfig(
-            model=model_cfg,
-            cache=self._cache_config(),
-            scheduler=self._scheduler_config(model_cfg.max_model_len),
-            batch_invariant=self.batch_invariant,
-            device=check_device(self.device),
-            tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
-            enable_sleep_mode=self.enable_sleep_mode,
-            weight_transfer=WeightTransferConfig.parse(self.weight_transfer_config),
-            data_parallel_rank=self.data_parallel_rank,
-            logprobs_mode=check_logprobs_mode(self.logprobs_mode),
-            allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
-            worker_extension_cls=check_class_path(self.worker_extension_cls),
-            enforce_eager=bool(self.enforce_eager),
-            cpu_kernels=bool(self.cpu_kernels),
-            prepack_weights=bool(self.prepack_weights),
-            default_sampling=default_sampling(
-                self.generation_config, model_dir, self.override_generation_config
-            ),
-        )
-
-    def _head_dtype(self) -> torch.dtype | None:
-        if self.lm_head_dtype is None:
-            return None
-        try:
-            return parse_dtype(self.lm_head_dtype)
-        except ValueError as e:
-            message = str(e).replace("dtype:", "lm_head_dtype:", 1)
-            raise InvalidArgument("lm_head_dtype", message) from None
-
-    def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:
-        limit = int(hf_config.get("max_position_embeddings") or 2048)
-        if self.max_model_len is None:
-            return limit
-        _check_positive("max_model_len", self.max_model_len)
-        if self.max_model_len > limit:
-            raise InvalidArgument(
-                "max_model_len",
-                f"max_model_len: {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings ({limit})",
-            )
-        return self.max_model_len
-
-    def _cache_config(self) -> CacheConfig:
-        _check_positive("block_size", self.block_size)
-        if self.num_kv_blocks is not None:
-            _check_positive("num_kv_blocks", self.num_kv_blocks)
-        _check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
-        return CacheConfig(
-            block_size=self.block_size,
-            num_blocks=self.num_kv_blocks,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-            enable_prefix_caching=self.enable_prefix_caching,
-        )
-
-    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        _check_positive("max_num_seqs", self.max_num_seqs)
-        budget = self.max_num_batched_tokens
-        if budget is None:
-            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        _check_positive("max_num_batched_tokens", budget)
-        if not self.enable_chunked_prefill and budget < max_model_len:
-            raise InvalidArgument(
-                "max_num_batched_tokens",
-                f"max_num_batched_tokens: {budget} is smaller than max_model_len "
-                f"({max_model_len}); without chunked prefill a prompt must fit in one step",
-            )
-        cap = self.max_prefill_tokens_while_decoding
-        if cap is not None:
-            _check_positive("max_prefill_tokens_while_decoding", cap)
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=budget,
-            max_prefill_tokens_while_decoding=cap if self.enable_chunked_prefill else None,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            max_model_len=max_model_len,
-        )
-
-
 def resolve_model_path(model: str | None) -> Path:
     """None or the default model's name selects the built-in model (converted once)."""
     from hotswap.default_model import DEFAULT_MODEL_NAME, default_model_dir
@@ -338,7 +177,7 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def _check_positive(name: str, value: int) -> None:
+def check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidArgument(name, f"{name}: must be a positive integer, got {value!r}")
 
@@ -394,7 +233,7 @@ def check_data_parallel_backend(backend: object, ray_address: object) -> str:
     return backend  # type: ignore[return-value]
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise InvalidArgument(name, f"{name}: must be one of {choices}, got {value!r}")
     return value

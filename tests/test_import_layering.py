@@ -30,6 +30,7 @@ LAYERS = {
     "hotswap.detokenizer": 0,
     "hotswap.default_model": 0,
     "hotswap.config": 0,
+    "hotswap.engine_args": 0,
     "hotswap.weight_transfer.config": 0,
     "hotswap.errors": 0,
     "hotswap.structured_output": 0,

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from hotswap.config import EngineArgs, EngineConfig
+from hotswap.config import EngineConfig
+from hotswap.engine_args import EngineArgs
 from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient, MPEngineClient
 from hotswap.engine.dp_client import DPEngineClient
 from hotswap.engine.errors import EngineDeadError, EngineStateError, InvalidArgument

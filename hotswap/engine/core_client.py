@@ -24,7 +24,8 @@ from typing import Any
 
 import zmq  # noqa: E402  (grouped with the transport it serves)
 
-from hotswap.config import EngineArgs, EngineConfig
+from hotswap.config import EngineConfig
+from hotswap.engine_args import EngineArgs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.core_loop import EngineCoreLoop, InputKind
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall

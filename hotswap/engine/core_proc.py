@@ -22,7 +22,8 @@ from typing import Any
 import torch
 import zmq
 
-from hotswap.config import EngineArgs, EngineConfig
+from hotswap.config import EngineConfig
+from hotswap.engine_args import EngineArgs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.core_client import SOCKET_DIR_PREFIX
 from hotswap.engine.core_loop import EngineCoreLoop, InputKind

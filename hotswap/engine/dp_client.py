@@ -18,7 +18,7 @@ import os
 import threading
 from collections import defaultdict
 
-from hotswap.config import EngineArgs
+from hotswap.engine_args import EngineArgs
 from hotswap.engine import verbs
 from hotswap.engine.core_client import EngineCoreClient, MPEngineClient, OutputHandler
 from hotswap.engine.messages import (

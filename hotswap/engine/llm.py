@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hotswap.config import EngineArgs
+from hotswap.engine_args import EngineArgs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.handlers import run_now
 from hotswap.engine.messages import EngineCoreRequest

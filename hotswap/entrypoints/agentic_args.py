@@ -1,5 +1,5 @@
 """The command-line flags of agentic serving, in vLLM's spelling: tool calling, reasoning,
-structured-output defaults and default sampling parameters (`hotswap serve`, `generate`)."""
+and structured-output defaults (`hotswap serve`)."""
 
 from __future__ import annotations
 
@@ -36,23 +36,6 @@ def add_agentic_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="NAME",
         help="split the model's thinking into `reasoning`: qwen3, deepseek_r1",
-    )
-
-
-def add_generation_config_args(group: argparse._ArgumentGroup) -> None:
-    """vLLM's --generation-config and --override-generation-config (EngineArgs fields)."""
-    group.add_argument(
-        "--generation-config",
-        default="auto",
-        metavar="auto|vllm|DIR",
-        help="default sampling parameters: auto, the model's generation_config.json; vllm, "
-        "the neutral ones; or a directory holding a generation_config.json (vLLM's flag)",
-    )
-    group.add_argument(
-        "--override-generation-config",
-        default=None,
-        metavar="JSON",
-        help="default sampling parameters on top, e.g. '{\"temperature\": 0.2}'",
     )
 
 

@@ -27,7 +27,7 @@ from ray.actor import ActorClass, ActorHandle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hotswap.config import EngineArgs
+from hotswap.engine_args import EngineArgs
 from hotswap.engine.core_client import CoreRunner, EngineCoreClient, MPEngineClient
 from hotswap.engine.core_proc import run_engine_core
 from hotswap.engine.dp_client import RankLauncher, rank_args

@@ -85,6 +85,16 @@ async def _waiting(http: httpx.AsyncClient, count: int) -> bool:
     return await requests_waiting(http) == count
 
 
+async def tokens_generated(http: httpx.AsyncClient) -> float:
+    """The front end's count of generated tokens: final once `/pause` has answered (every
+    output made before it has reached its stream), whereas the stream's HTTP chunks may
+    still be on their way to this client on another connection."""
+    for line in (await http.get("/metrics")).text.splitlines():
+        if line.startswith("hotswap:generation_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no hotswap:generation_tokens_total in /metrics")
+
+
 async def kv_is_idle(http: httpx.AsyncClient) -> bool:
     text = (await http.get("/metrics")).text
     values = {}
@@ -133,9 +143,9 @@ def test_request_lifecycle_per_pause_mode(server: RemoteServer, client, mode: st
                 assert inflight.finish_reason == "length" and inflight.num_tokens == 200
             else:
                 assert inflight.finish_reason is None
-                seen = len(inflight.chunks)
-                await asyncio.sleep(0.3)
-                assert len(inflight.chunks) == seen  # frozen: no chunk while paused
+                generated = await tokens_generated(http)
+                await asyncio.sleep(0.3)  # a window in which a running engine makes tokens
+                assert await tokens_generated(http) == generated  # frozen while paused
             queued = StreamingCompletion(http, completion_body("Pause", 12, stream=True))
             await until(lambda: _waiting(http, 1), "the engine holds the queued request")
             assert queued.chunks == []  # connection open, request pending

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hotswap import LLM, SamplingParams
-from hotswap.config import EngineArgs, check_device
+from hotswap.config import check_device
+from hotswap.engine_args import EngineArgs
 from hotswap.engine.request import Request
 from hotswap.engine.scheduler import ScheduledRequest
 from hotswap.model.runner import ModelRunner

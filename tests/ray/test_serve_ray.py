@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from hotswap import LLM, AsyncLLM, SamplingParams
-from hotswap.config import EngineArgs
+from hotswap.engine_args import EngineArgs
 from hotswap.entrypoints.cli import build_parser, engine_kwargs
 from hotswap.errors import InvalidArgument
 from tests.helpers.server import RemoteServer

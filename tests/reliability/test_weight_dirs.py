@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from hotswap import LLM
-from hotswap.config import EngineArgs, allowed_weight_dirs
+from hotswap.config import allowed_weight_dirs
+from hotswap.engine_args import EngineArgs
 from hotswap.entrypoints.cli import build_parser, engine_kwargs
 from tests.helpers.server import RemoteServer
 from tests.reliability.conftest import ARGS, assert_unharmed, weight_state

@@ -545,6 +545,7 @@ class TestStateTransitionsPauseResume:
                 # vLLM: is_set() at once; the stream's reader thread may lag the answer.
                 assert inflight.done.wait(timeout=5)
             else:
+                assert not inflight.done.wait(timeout=0.2)  # chunks already on the wire land
                 chunks_after_pause = len(inflight.chunks)
                 assert not inflight.done.wait(timeout=HELD_S)  # vLLM: 5 s
                 assert len(inflight.chunks) == chunks_after_pause, (

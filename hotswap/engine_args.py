@@ -1,0 +1,267 @@
+"""`EngineArgs`: the flat, user-facing engine knobs, declared once. Python keyword
+arguments (`LLM(model, **kwargs)`), the CLI flags of `hotswap serve` / `generate` and their
+help all derive from these fields: a field's `Flag` metadata holds its help, choices and
+aliases (vLLM's spellings; hotswap/entrypoints/engine_flags.py builds the parser from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hotswap.config import (
+    DEFAULT_KV_CACHE_BYTES,
+    LOGPROBS_MODES,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    allowed_weight_dirs,
+    check_choice,
+    check_class_path,
+    check_data_parallel_backend,
+    check_device,
+    check_logprobs_mode,
+    check_positive,
+    parse_dtype,
+    read_hf_config,
+    resolve_model_path,
+)
+from hotswap.errors import InvalidArgument
+from hotswap.generation_config import default_sampling
+from hotswap.weight_transfer.config import WeightTransferConfig
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a field appears on the command line: `--field-name` (underscores become
+    dashes), typed from the field's annotation, defaulting to the field's default."""
+
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()  # further spellings, e.g. vLLM's or an older one
+
+
+FLAG_KEY = "flag"  # the field metadata key holding its Flag; a field without one has no flag
+
+
+def arg(default: Any, help: str, **flag: Any) -> Any:
+    """A field that is also a CLI flag (see `Flag` for the keyword arguments)."""
+    return field(default=default, metadata={FLAG_KEY: Flag(help, **flag)})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The flat, user-facing knobs (Python kwargs and CLI flags share these names)."""
+
+    model: str | None = arg(
+        None, "Hugging Face-format model directory (default: built-in SmolLM2-135M-Instruct)"
+    )
+    tokenizer: str | None = arg(None, "tokenizer directory (default: the model's)")
+    dtype: str = arg(
+        "auto", "auto = bfloat16 (fastest on AMX CPUs)", choices=("auto", "bfloat16", "float32")
+    )
+    load_format: str = arg(
+        "auto", "auto: the checkpoint's weights; dummy: random ones", choices=("auto", "dummy")
+    )
+    device: str = arg("cpu", "cpu, cuda or cuda:N")
+    # With CUDA, rank i runs on the device's index + i (backend "ray": on the GPU Ray gives).
+    data_parallel_size: int = arg(
+        1, "engine cores behind one server (requests balanced, control calls fanned out)"
+    )
+    # Set per engine core by the data-parallel front-end, never by a user: no flag.
+    data_parallel_rank: int = 0
+    data_parallel_backend: str = arg(
+        "mp",
+        "where the engine cores run: mp, child processes; ray, Ray actors (one "
+        "placement-group bundle each; pip install 'hotswap[ray]')",
+        choices=("mp", "ray"),
+    )
+    ray_address: str | None = arg(
+        None,
+        "Ray cluster for --data-parallel-backend ray ('auto', 'ray://host:10001'; "
+        "default: ray.init()'s, a new local one if none is running)",
+        metavar="ADDRESS",
+    )
+    # Process-wide when the engine runs in this process.
+    num_threads: int | None = arg(None, "torch threads per engine core (default: torch's)")
+    seed: int = arg(0, "random seed of the engine's sampling")
+    max_model_len: int | None = arg(
+        None, "longest prompt + output in tokens (default: the model's max_position_embeddings)"
+    )
+    block_size: int = arg(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = arg(
+        None, "KV cache size in blocks (overrides --kv-cache-memory-bytes)"
+    )
+    kv_cache_memory_bytes: int = arg(
+        DEFAULT_KV_CACHE_BYTES, "KV cache budget in bytes", aliases=("--kv-cache-memory",)
+    )
+    enable_prefix_caching: bool = arg(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = arg(True, "split long prompts over several steps")
+    max_num_seqs: int = arg(128, "most requests running in one step")
+    max_num_batched_tokens: int | None = arg(
+        None, "most tokens in one step (default: 2048, or max-model-len without chunking)"
+    )
+    max_prefill_tokens_while_decoding: int | None = arg(
+        None, "cap on prefill tokens in a step while requests decode (bounds step time)"
+    )
+    batch_invariant: bool = arg(False, "bitwise-identical logits whatever the batch (slower)")
+    enforce_eager: bool = arg(
+        False, "run the model eagerly, never through torch.compile (vLLM's flag)"
+    )
+    cpu_kernels: bool = arg(
+        True,
+        "hotswap's CPU kernels (paged decode attention, bf16 GEMV; built once per "
+        "machine); --no-cpu-kernels runs on torch operators only",
+    )
+    # A packed copy costs one more copy of those weights in memory, remade in the first
+    # step after each weight commit (~0.1 s for the default model); 15-25% faster GEMMs.
+    prepack_weights: bool = arg(
+        True,
+        "with the CPU kernels, keep a oneDNN-packed copy of the bf16 linear weights "
+        "for larger batches (faster GEMMs; one more copy of them in memory)",
+    )
+    # JSON text or (from Python) a dict; see hotswap.weight_transfer.
+    weight_transfer_config: str | dict[str, Any] | None = arg(
+        None,
+        'weight transfer backend, e.g. \'{"backend": "gloo"}\' (gloo, nccl, ipc, disk)',
+        metavar="JSON",
+    )
+    generation_config: str = arg(
+        "auto",
+        "default sampling parameters: auto, the model's generation_config.json; vllm, "
+        "the neutral ones; or a directory holding a generation_config.json (vLLM's flag)",
+        metavar="auto|vllm|DIR",
+    )
+    override_generation_config: str | dict[str, Any] | None = arg(
+        None, "default sampling parameters on top, e.g. '{\"temperature\": 0.2}'", metavar="JSON"
+    )
+    logprobs_mode: str = arg(
+        "raw_logprobs",
+        "what logprobs report; processed_logprobs: the distribution tokens are drawn "
+        "from (after penalties, temperature, top-k/top-p/min-p), as RL trainers need",
+        choices=LOGPROBS_MODES,
+    )
+    lm_head_dtype: str | None = arg(
+        None,
+        "dtype of the final norm and LM head (default: --dtype); float32 with a "
+        "bf16 body brings logprobs close to an fp32 trainer's",
+        choices=("float32", "bfloat16"),
+    )
+    allowed_weight_dirs: list[str] | None = arg(
+        None,
+        "directories disk reloads (/update_weights_from_disk, the disk backend) may "
+        "read from, symlinks resolved (default: the model directory's parent)",
+        metavar="DIR",
+    )
+    enable_sleep_mode: bool = arg(
+        False, "allow /sleep: offload or drop weights and free the KV cache"
+    )
+    # Imported by the engine core at start, never named by a request.
+    worker_extension_cls: str | None = arg(
+        None,
+        "a class whose public methods /collective_rpc may call inside the engine "
+        "(vLLM's flag; 'module.Class' also accepted)",
+        metavar="MODULE:CLASS",
+    )
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        model_dir = resolve_model_path(self.model)
+        hf_config = read_hf_config(model_dir)
+        model_cfg = ModelConfig(
+            path=model_dir,
+            hf_config=hf_config,
+            dtype=parse_dtype(self.dtype),
+            max_model_len=self._resolve_max_model_len(hf_config),
+            load_format=check_choice("load_format", self.load_format, ("auto", "dummy")),
+            seed=self.seed,
+            head_dtype=self._head_dtype(),
+        )
+        check_positive("data_parallel_size", self.data_parallel_size)
+        check_data_parallel_backend(self.data_parallel_backend, self.ray_address)
+        if self.num_threads is not None:
+            check_positive("num_threads", self.num_threads)
+        return EngineConfig(
+            model=model_cfg,
+            cache=self._cache_config(),
+            scheduler=self._scheduler_config(model_cfg.max_model_len),
+            batch_invariant=self.batch_invariant,
+            device=check_device(self.device),
+            tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
+            enable_sleep_mode=self.enable_sleep_mode,
+            weight_transfer=WeightTransferConfig.parse(self.weight_transfer_config),
+            data_parallel_rank=self.data_parallel_rank,
+            logprobs_mode=check_logprobs_mode(self.logprobs_mode),
+            allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
+            worker_extension_cls=check_class_path(self.worker_extension_cls),
+            enforce_eager=bool(self.enforce_eager),
+            cpu_kernels=bool(self.cpu_kernels),
+            prepack_weights=bool(self.prepack_weights),
+            default_sampling=default_sampling(
+                self.generation_config, model_dir, self.override_generation_config
+            ),
+        )
+
+    def _head_dtype(self) -> torch.dtype | None:
+        if self.lm_head_dtype is None:
+            return None
+        try:
+            return parse_dtype(self.lm_head_dtype)
+        except ValueError as e:
+            message = str(e).replace("dtype:", "lm_head_dtype:", 1)
+            raise InvalidArgument("lm_head_dtype", message) from None
+
+    def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:
+        limit = int(hf_config.get("max_position_embeddings") or 2048)
+        if self.max_model_len is None:
+            return limit
+        check_positive("max_model_len", self.max_model_len)
+        if self.max_model_len > limit:
+            raise InvalidArgument(
+                "max_model_len",
+                f"max_model_len: {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({limit})",
+            )
+        return self.max_model_len
+
+    def _cache_config(self) -> CacheConfig:
+        check_positive("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            check_positive("num_kv_blocks", self.num_kv_blocks)
+        check_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        check_positive("max_num_seqs", self.max_num_seqs)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        check_positive("max_num_batched_tokens", budget)
+        if not self.enable_chunked_prefill and budget < max_model_len:
+            raise InvalidArgument(
+                "max_num_batched_tokens",
+                f"max_num_batched_tokens: {budget} is smaller than max_model_len "
+                f"({max_model_len}); without chunked prefill a prompt must fit in one step",
+            )
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None:
+            check_positive("max_prefill_tokens_while_decoding", cap)
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_prefill_tokens_while_decoding=cap if self.enable_chunked_prefill else None,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len,
+        )
