@@ -25,11 +25,11 @@ from typing import Any
 import zmq  # noqa: E402  (grouped with the transport it serves)
 
 from hotswap.config import EngineConfig
-from hotswap.engine_args import EngineArgs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.core_loop import EngineCoreLoop, InputKind
 from hotswap.engine.messages import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.wire import READY, decode_outputs, encode_input
+from hotswap.engine_args import EngineArgs
 
 # The child removes its socket directory by this prefix if we die first (core_proc.py).
 SOCKET_DIR_PREFIX = "hotswap-core-"

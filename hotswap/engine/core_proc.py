@@ -23,12 +23,12 @@ import torch
 import zmq
 
 from hotswap.config import EngineConfig
-from hotswap.engine_args import EngineArgs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.core_client import SOCKET_DIR_PREFIX
 from hotswap.engine.core_loop import EngineCoreLoop, InputKind
 from hotswap.engine.messages import EngineCoreOutputs
 from hotswap.engine.wire import READY, decode_input, encode_outputs
+from hotswap.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 

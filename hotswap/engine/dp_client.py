@@ -18,7 +18,6 @@ import os
 import threading
 from collections import defaultdict
 
-from hotswap.engine_args import EngineArgs
 from hotswap.engine import verbs
 from hotswap.engine.core_client import EngineCoreClient, MPEngineClient, OutputHandler
 from hotswap.engine.messages import (
@@ -28,6 +27,7 @@ from hotswap.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from hotswap.engine_args import EngineArgs
 from hotswap.weight_transfer.engine import shift_rank_offset
 
 _MAX_STATS = frozenset({"weight_version", "sleep_level", "step_ms_p50", "step_ms_p99"})

@@ -74,7 +74,7 @@ def _collective_rpc(core: EngineCore, args: verbs.CollectiveRpc, out: Outputs) -
     `reload_weights` is vLLM's built-in worker method (reload the served checkpoint, e.g.
     after a level-2 sleep) unless the extension defines its own: here a disk reload of
     the model directory, committed as a new version."""
-    extension = core.worker_extension
+    extension = core.rpc.extension
     if args.method == "reload_weights" and (
         extension is None or "reload_weights" not in extension.methods
     ):

@@ -1,11 +1,15 @@
-"""Sleep levels and wake tags (DESIGN §3, spec "Sleep"): what each level puts to sleep and
-the order in which parts may wake."""
+"""Sleep levels and wake tags (DESIGN §3, spec "Sleep"): what each level puts to sleep,
+the order in which parts may wake, and the engine core's sleep manager."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.messages import EngineCoreOutput
+from hotswap.engine.pause import PauseManager
+from hotswap.engine.weight_sync import WeightSync
+from hotswap.model.runner import ModelRunner
 
 WEIGHTS, KV_CACHE, SCHEDULING = "weights", "kv_cache", "scheduling"
 SLEEP_TAGS = (WEIGHTS, KV_CACHE, SCHEDULING)
@@ -48,3 +52,84 @@ class SleepState:
                 f"wake them first or in the same call"
             )
         return [tag for tag in SLEEP_TAGS if tag in wanted]
+
+
+class SleepManager:
+    """Sleeps and wakes the engine core: a sleep is a pause (its mode) that, once complete,
+    frees what its level frees; `wake_up` brings parts back by tag.
+
+    Invariants: nothing is freed before the pause completes (`pending` meanwhile, and no
+    weight call may start then); a sleep never starts while a weight round is open (its
+    commit would write into freed weights); a resume while asleep takes effect only when
+    scheduling wakes, and a sleep entered while paused wakes still paused; levels only
+    deepen until every part is awake again."""
+
+    def __init__(
+        self,
+        enabled: bool,
+        state: SleepState,
+        pauses: PauseManager,
+        runner: ModelRunner,
+        weight_sync: WeightSync,
+    ) -> None:
+        self.enabled = enabled
+        self.state = state
+        self.pauses = pauses
+        self.runner = runner
+        self.weight_sync = weight_sync
+
+    def sleep(self, level: int, mode: str = "abort") -> list[EngineCoreOutput]:
+        """Pause with `mode`; once complete, `finish_sleep(level)` frees what the level
+        frees. Returns the outputs of requests aborted by the pause."""
+        if not self.enabled:
+            raise EngineStateError(
+                "sleep mode is not enabled: start the engine with enable_sleep_mode=True "
+                "(--enable-sleep-mode)"
+            )
+        self.weight_sync.refuse_during_round("sleep")
+        if not self.state.is_sleeping:
+            self.state.resume_on_wake = not self.pauses.is_paused()
+        outputs = self.pauses.pause(mode, clear_cache=level >= 1)
+        self.state.pending = True
+        return outputs
+
+    def finish_sleep(self, level: int) -> None:
+        self.state.pending = False
+        self.pauses.finish_pause(clear_cache=level >= 1)
+        # Frozen requests were preempted by the clear; only PAUSED_ALL keeps them waiting.
+        self.pauses.pause_all()
+        if level >= 1:
+            self.runner.free_kv_cache()
+            self.runner.weights_changed()  # packed copies go to sleep with the weights
+            if level == 2:
+                self.runner.residency.discard()
+            else:
+                self.runner.residency.offload()
+            self.weight_sync.release_buffers()
+            self.runner.release_cached_memory()
+        self.state.level = max(self.state.level, level)
+        self.state.asleep |= tags_for_level(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, object]:
+        state = self.state
+        order = state.wake_order(tags)
+        for tag in order:
+            if tag == WEIGHTS:
+                self.runner.weights_changed()
+                if not self.runner.residency.restore():
+                    state.weights_missing = True
+            elif tag == KV_CACHE:
+                self.runner.restore_kv_cache()
+            state.asleep.discard(tag)
+            if tag == SCHEDULING and state.resume_on_wake:
+                self.resume()
+        if not state.asleep:
+            state.level = 0
+        return {"is_sleeping": state.is_sleeping, "tags_woken": order}
+
+    def resume(self) -> None:
+        """The `resume` verb: unpause now, or when scheduling wakes if the engine sleeps."""
+        if self.state.is_sleeping:
+            self.state.resume_on_wake = True
+            return
+        self.pauses.unpause()

@@ -83,6 +83,13 @@ class WeightSync:
     def round_open(self) -> bool:
         return self.round is not None
 
+    def refuse_during_round(self, what: str) -> None:
+        """For calls that write or free the weights outside a round, which must not interleave."""
+        if self.round_open:
+            raise EngineStateError(
+                f"{what}: a weight update round is open; finish or abort it first"
+            )
+
     def _require_config(self) -> WeightTransferConfig:
         if self.config is None:
             raise EngineStateError(

@@ -27,10 +27,10 @@ from ray.actor import ActorClass, ActorHandle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from hotswap.engine_args import EngineArgs
 from hotswap.engine.core_client import CoreRunner, EngineCoreClient, MPEngineClient
 from hotswap.engine.core_proc import run_engine_core
 from hotswap.engine.dp_client import RankLauncher, rank_args
+from hotswap.engine_args import EngineArgs
 
 NAMESPACE = "hotswap"  # the ranks' actors are named hotswap-dp-rank-{rank}-{tag} in it
 PLACEMENT_TIMEOUT_S = 120.0

@@ -13,9 +13,9 @@ import torch
 
 from hotswap import LLM, SamplingParams
 from hotswap.config import check_device
-from hotswap.engine_args import EngineArgs
 from hotswap.engine.request import Request
 from hotswap.engine.scheduler import ScheduledRequest
+from hotswap.engine_args import EngineArgs
 from hotswap.model.runner import ModelRunner
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

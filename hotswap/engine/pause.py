@@ -1,0 +1,52 @@
+"""Pause and resume of generation (DESIGN §3): the scheduler's pause state, and when a
+pause call may return."""
+
+from __future__ import annotations
+
+from hotswap.engine.messages import EngineCoreOutput
+from hotswap.engine.request_manager import RequestManager
+from hotswap.engine.scheduler import PauseState, Scheduler
+
+
+class PauseManager:
+    """Moves the scheduler between UNPAUSED, PAUSED_NEW (admit nothing new, let started
+    requests finish) and PAUSED_ALL (schedule nothing; requests keep their place).
+
+    Invariants: `pause` never loosens a stricter state (a `wait` pause during a `keep`
+    pause stays PAUSED_ALL); a pause call answers only once `pause_complete()` holds, and
+    the loop checks it between steps, never mid-step; only `unpause` loosens the state.
+    A resume is deferred while the engine sleeps: `SleepManager.resume` owns that."""
+
+    def __init__(self, scheduler: Scheduler, requests: RequestManager) -> None:
+        self.scheduler = scheduler
+        self.requests = requests
+
+    def pause(self, mode: str, clear_cache: bool = True) -> list[EngineCoreOutput]:
+        """Enter the pause state for `mode` (never loosening a stricter one). Returns the
+        outputs of requests aborted by `abort` mode; `pause_complete()` tells when the
+        caller may return, and `finish_pause()` must run then."""
+        outputs = self.requests.abort(list(self.scheduler.requests)) if mode == "abort" else []
+        wanted = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
+        self.scheduler.set_pause_state(max(self.scheduler.pause_state, wanted))
+        return outputs
+
+    def pause_complete(self) -> bool:
+        """`keep`: at once (the loop only calls this between steps); `abort`/`wait`: when no
+        started request remains; a resume that overtook the pause also ends the wait."""
+        state = self.scheduler.pause_state
+        return state != PauseState.PAUSED_NEW or not self.scheduler.has_started_requests()
+
+    def finish_pause(self, clear_cache: bool) -> None:
+        if clear_cache and self.scheduler.pause_state != PauseState.UNPAUSED:
+            self.scheduler.drop_running_kv()
+            self.requests.reset_prefix_cache()
+
+    def pause_all(self) -> None:
+        """Hold every request where it is (a sleep: requests frozen by it stay waiting)."""
+        self.scheduler.set_pause_state(PauseState.PAUSED_ALL)
+
+    def unpause(self) -> None:
+        self.scheduler.set_pause_state(PauseState.UNPAUSED)
+
+    def is_paused(self) -> bool:
+        return self.scheduler.pause_state != PauseState.UNPAUSED

@@ -1,0 +1,103 @@
+"""The engine core's requests: admitting them, aborting them, and turning one scheduled
+batch into per-request outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from hotswap.config import EngineConfig
+from hotswap.engine.core_outputs import WeightVersion, finished_output, step_output
+from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
+from hotswap.engine.prompts import check_prompt
+from hotswap.engine.request import Request, RequestStatus
+from hotswap.engine.scheduler import PauseState, Scheduler, SchedulerOutput
+from hotswap.errors import InvalidArgument
+from hotswap.model.runner import ModelRunner
+from hotswap.structured_output import LazyGrammarCompiler
+
+
+class RequestManager:
+    """Admits, aborts and advances the scheduler's requests.
+
+    Invariants: a request is validated in full before the scheduler sees it, so a refused
+    request changes nothing; every output is stamped with the committed `weights` as they
+    are when it is made; an unpaused engine with waiting requests and nothing running can
+    always admit one (KV capacity >= max_model_len, checked at start-up), so an empty
+    batch there is a bug, raised, never a silent stall."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        weights: WeightVersion,
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.weights = weights
+        self.vocab_size = config.model.vocab_size
+        self.grammars = LazyGrammarCompiler(config.tokenizer or config.model.path, self.vocab_size)
+
+    def validate(self, req: EngineCoreRequest) -> None:
+        """Raise ValueError naming the problem; changes nothing."""
+        check_prompt(req.prompt_token_ids, self.vocab_size, self.config.scheduler.max_model_len)
+        if req.request_id in self.scheduler.requests:
+            raise InvalidArgument("request_id", f"request_id: {req.request_id!r} is already in use")
+        req.sampling_params.check_token_ids(self.vocab_size)
+
+    def add(self, req: EngineCoreRequest) -> None:
+        self.validate(req)
+        request = Request(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_id,
+            req.arrival_time,
+            req.cache_salt,
+        )
+        constraint = req.sampling_params.structured_outputs
+        if constraint is not None:
+            request.grammar = self.grammars.matcher(constraint, req.eos_token_id)
+        self.scheduler.add_request(request)
+
+    def abort(
+        self, request_ids: Iterable[str], reasons: Mapping[str, str] | None = None
+    ) -> list[EngineCoreOutput]:
+        """Finish the requests as aborted (unknown ids are skipped); `reasons` gives the
+        stop reason of each. Returns their final outputs."""
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if reasons is not None:
+            for request in aborted:
+                request.stop_reason = reasons[request.request_id]
+        return [finished_output(r, self.weights) for r in aborted]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
+        """Forget every cached prefix. With `reset_running_requests`, running requests
+        also drop their KV and recompute it when next scheduled."""
+        if reset_running_requests:
+            self.scheduler.drop_running_kv()
+        return self.scheduler.kv.reset_prefix_cache()
+
+    def run(self, plan: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Run one scheduled (non-empty) batch on the model; the outputs of the requests
+        it advanced."""
+        result = self.runner.execute(plan)
+        for request_id, scored in result.prompt_logprobs.items():
+            if (request := self.scheduler.requests.get(request_id)) is not None:
+                request.prompt_logprobs.extend(scored)
+        changed = self.scheduler.update_from_output(plan, result.sampled)
+        return [step_output(r, result, self.weights) for r in changed]
+
+    def check_not_stuck(self) -> None:
+        """Called when a step scheduled nothing."""
+        sched = self.scheduler
+        if sched.pause_state == PauseState.UNPAUSED and sched.waiting and not sched.running:
+            # KV capacity >= max_model_len guarantees an idle engine can always admit.
+            raise RuntimeError(
+                f"scheduler: {sched.num_waiting} waiting requests but none can be admitted "
+                f"with {sched.kv.num_free_blocks} free blocks"
+            )

@@ -1,0 +1,191 @@
+"""The engine core's weights (DESIGN §4): every path that writes them (a disk reload,
+tensors sent inline, a trainer's round), the version each write commits, and what callers
+read about the loaded weights (version, label, digest, checksums)."""
+
+from __future__ import annotations
+
+from hotswap.config import EngineConfig
+from hotswap.engine.core_outputs import WeightVersion
+from hotswap.engine.errors import EngineStateError
+from hotswap.engine.messages import EngineCoreOutput
+from hotswap.engine.request_manager import RequestManager
+from hotswap.engine.scheduler import Scheduler
+from hotswap.engine.sleep import WEIGHTS, SleepState
+from hotswap.engine.verbs import InlineTensor
+from hotswap.engine.weight_sync import WeightApplyError, WeightSync
+from hotswap.model.runner import ModelRunner
+
+
+class WeightManager:
+    """Writes the weights and commits weight versions.
+
+    Invariants: no model step runs while a weight round is open, unless the round is in
+    flight (`round_blocks_steps`); every write commits through `commit`, which bumps the
+    version by exactly one and tells the runner to remake copies derived from the
+    weights; a write that fails midway marks the weights missing (no step until a
+    complete write), and only a write covering the whole model clears that; no write
+    starts while the weights sleep or a sleep is pending, nor (outside the round itself)
+    while a round is open; after a commit no request runs more than its `max_weight_lag`
+    versions past the version of its first token."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        sleep_state: SleepState,
+        weight_sync: WeightSync,
+        requests: RequestManager,
+        versions: WeightVersion,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler = scheduler
+        self.sleep_state = sleep_state
+        self.sync = weight_sync
+        self.requests = requests
+        self.versions = versions
+        self._digest: tuple[tuple[int, bool], str] | None = None  # cache key, digest
+
+    @property
+    def round_blocks_steps(self) -> bool:
+        """An open round stops generation unless it is received in flight (beside the
+        steps, on the committed weights, switched at `finish` between two steps)."""
+        sync = self.sync
+        return sync.round_open and not (sync.config is not None and sync.config.in_flight)
+
+    # -- writes ---------------------------------------------------------------------------
+    def load_from_disk(self, model_dir: str, label: str | None = None) -> list[EngineCoreOutput]:
+        """Reload every weight from a safetensors directory (all or nothing) and commit a
+        new version; returns requests aborted by `max_weight_lag`. The loop runs this
+        between steps, so no step sees a half-loaded model."""
+        self._refuse_while_weights_sleep("update_weights_from_disk")
+        self.sync.refuse_during_round("update_weights_from_disk")
+        try:
+            self.sync.reload_from_disk(model_dir)
+        except WeightApplyError:
+            self.sleep_state.weights_missing = True
+            raise
+        self.sleep_state.weights_missing = False
+        return self.commit(label or model_dir)
+
+    def load_inline(
+        self, tensors: list[InlineTensor], label: str | None = None
+    ) -> list[EngineCoreOutput]:
+        """Load tensors sent by value (verbs.InlineTensor; only those change) in one
+        validated, all-or-nothing round between steps, as a disk reload, and commit a new
+        version labelled `label` (default: the current label); returns requests aborted by
+        `max_weight_lag`."""
+        self._refuse_while_weights_sleep("load_weights_inline")
+        self.sync.refuse_during_round("load_weights_inline")
+        try:
+            staged = self.sync.load_inline(tensors)
+        except WeightApplyError:
+            self.sleep_state.weights_missing = True
+            raise
+        if self.sleep_state.weights_missing and self.sync.covers_model(staged, True):
+            self.sleep_state.weights_missing = False
+        return self.commit(label or self.versions.label)
+
+    def leave_transfer(self) -> bool:
+        """Leave the trainer's channel; True if there was one. Never mid-round."""
+        self.sync.refuse_during_round("leave_weight_transfer")
+        had = self.sync.transfer is not None
+        self.sync.drop_transfer()
+        return had
+
+    def start_update(self, is_checkpoint_format: bool = True) -> None:
+        self._refuse_while_weights_sleep("start_weight_update")
+        self.sync.start(is_checkpoint_format)
+
+    def finish_update(
+        self, label: str | None = None, abort: bool = False, kv_policy: str | None = None
+    ) -> list[EngineCoreOutput]:
+        """Apply the round and commit version + 1 (`label`, or the current label). Returns
+        requests aborted by `max_weight_lag`. Requests running across the switch keep their
+        KV (`keep`: later tokens are marked stale) or drop it and recompute it under the
+        new weights before their next token (`recompute`)."""
+        checkpoint = self.sync.round is not None and self.sync.round.is_checkpoint_format
+        try:
+            staged = self.sync.finish(abort)
+        except WeightApplyError:
+            self.sleep_state.weights_missing = True
+            raise
+        if staged is None:
+            return []
+        missing = self.sleep_state.weights_missing
+        if missing and self.sync.covers_model(staged, checkpoint):
+            self.sleep_state.weights_missing = False
+        outputs = self.commit(label or self.versions.label)
+        config = self.sync.config
+        if (kv_policy or (config.kv_policy if config else "keep")) == "recompute":
+            self.scheduler.drop_running_kv()
+        return outputs
+
+    def _refuse_while_weights_sleep(self, what: str) -> None:
+        if WEIGHTS in self.sleep_state.asleep:
+            raise EngineStateError(f"{what}: weights are asleep: wake_up(tags=['weights']) first")
+        if self.sleep_state.pending:  # finishing it would take the weights mid-round
+            raise EngineStateError(f"{what}: a sleep is in progress; let it finish, then wake_up")
+
+    # -- versions -------------------------------------------------------------------------
+    def commit(self, label: str) -> list[EngineCoreOutput]:
+        """Commit a new weight version (+1) under `label`; requests that would now lag more
+        than their `max_weight_lag` behind their first token's version are aborted."""
+        self.versions.version += 1
+        self.versions.label = label
+        self.scheduler.kv.weight_version = self.versions.version
+        # Every path that writes weights commits through here (or says so itself, as
+        # collective_rpc does); derived copies of the weights are remade from the new ones.
+        self.runner.weights_changed()
+        return self._abort_lagging_requests()
+
+    def _abort_lagging_requests(self) -> list[EngineCoreOutput]:
+        version = self.versions.version
+        lagging = {}
+        for request in self.scheduler.requests.values():
+            limit = request.sampling_params.max_weight_lag
+            start = request.start_version
+            if limit is not None and start is not None and version - start > limit:
+                lagging[request.request_id] = (
+                    f"max_weight_lag: started on weight version {start}, engine is at "
+                    f"{version} (limit {limit})"
+                )
+        return self.requests.abort(lagging, reasons=lagging)
+
+    def get_version(self) -> dict[str, int | str]:
+        return {"version": self.versions.version, "label": self.versions.label}
+
+    def set_label(self, label: str) -> dict[str, int | str]:
+        """Rename the current weights; the version (and so provenance order) is unchanged."""
+        self.versions.label = label
+        return self.get_version()
+
+    # -- reads ----------------------------------------------------------------------------
+    def digest(self) -> str | None:
+        """Digest of the loaded weights (cached per version); None while they sleep."""
+        if not self.runner.residency.resident:
+            return None
+        key = (self.versions.version, self.sleep_state.weights_missing)
+        if self._digest is None or self._digest[0] != key:
+            self._digest = (key, self.runner.weights_digest())
+        return self._digest[1]
+
+    def checksums(self) -> dict[str, str] | None:
+        """vLLM's per-tensor checksums: SHA-256 of each weight's bytes, keyed
+        `dp{rank}:pp0:pcp0:tp0:ep0:{name}` (one engine core is one dp rank, unsharded).
+        None while the weights sleep."""
+        if not self.runner.residency.resident:
+            return None
+        prefix = f"dp{self.config.data_parallel_rank}:pp0:pcp0:tp0:ep0:"
+        return {prefix + name: sha for name, sha in self.runner.weight_checksums().items()}
+
+    def info(self) -> dict[str, object]:
+        """{version, label, digest} of the loaded weights (digest None while they sleep)."""
+        return {**self.get_version(), "digest": self.digest()}
+
+    def committed(self, digest: bool) -> dict[str, object]:
+        """The answer to a finish: {version, label, digest}, taken in the same call as the
+        commit so it names exactly that commit. The digest reads every weight (~0.3 s for
+        the default model), so it is computed only when asked for; otherwise None."""
+        return {**self.get_version(), "digest": self.digest() if digest else None}
