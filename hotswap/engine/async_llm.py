@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from hotswap.config import EngineConfig
-from hotswap.engine_args import EngineArgs
 from hotswap.engine.core_client import EngineCoreClient, InprocEngineClient, MPEngineClient
 from hotswap.engine.dp_client import DPEngineClient
 from hotswap.engine.errors import EngineDeadError, EngineStateError, InvalidArgument
@@ -30,7 +29,9 @@ from hotswap.engine.prompts import (
     prepare_params,
     prompt_cache_salt,
 )
+from hotswap.engine.verb_methods import async_verb_method
 from hotswap.engine.verbs import Args, make_args
+from hotswap.engine_args import EngineArgs
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -131,45 +132,38 @@ class AsyncLLM:
         self.client.abort_requests([child for group in children.values() for child in group])
         return sum(1 for group in children.values() if group)
 
-    # -- control --------------------------------------------------------------------------
-    async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Pause as DESIGN §3: returns once the mode's condition holds and every output
-        produced before it has reached its stream. Invalid mode: ValueError, no change."""
-        await self.call("pause", mode=mode, clear_cache=clear_cache)
+    # -- control: the verbs' methods (verb_methods.py); parameters are the verbs' ------
+    pause_generation = async_verb_method(
+        "pause",
+        name="pause_generation",
+        doc="Pause as DESIGN §3: returns once the mode's condition holds and every output "
+        "produced before it has reached its stream. Invalid mode: ValueError, no change.",
+    )
+    resume_generation = async_verb_method("resume", name="resume_generation")
+    is_paused = async_verb_method("is_paused")
+    reset_prefix_cache = async_verb_method(
+        "reset_prefix_cache",
+        doc="Forget cached prefixes (returns how many blocks were cached); with "
+        "`reset_running_requests` running requests recompute their KV too.",
+    )
+    sleep = async_verb_method(
+        "sleep",
+        doc="Pause with `mode`, then level 0 stops scheduling, 1 also frees the KV cache and "
+        "offloads the weights, 2 discards the weights (send or load them after waking).",
+    )
+    wake_up = async_verb_method(
+        "wake_up",
+        doc="Wake `tags` (weights, kv_cache, scheduling; None = all that sleep). Returns "
+        "{is_sleeping, tags_woken}.",
+    )
+    is_sleeping = async_verb_method("is_sleeping")
+    load_weights_from_disk = async_verb_method(
+        "load_weights_from_disk",
+        doc="Reload all weights from a safetensors directory between two steps (all or "
+        "nothing) and commit a new version; returns {version, label}.",
+    )
 
-    async def resume_generation(self) -> None:
-        await self.call("resume")
-
-    async def is_paused(self) -> bool:
-        return await self.call("is_paused")
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
-        """Forget cached prefixes (returns how many blocks were cached); with
-        `reset_running_requests` running requests recompute their KV too."""
-        return await self.call("reset_prefix_cache", reset_running_requests=reset_running_requests)
-
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Pause with `mode`, then level 0 stops scheduling, 1 also frees the KV cache and
-        offloads the weights, 2 discards the weights (send or load them after waking)."""
-        await self.call("sleep", level=level, mode=mode)
-
-    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
-        """Wake `tags` (weights, kv_cache, scheduling; None = all that sleep). Returns
-        {is_sleeping, tags_woken}."""
-        return await self.call("wake_up", tags=tags)
-
-    async def is_sleeping(self) -> bool:
-        return await self.call("is_sleeping")
-
-    async def load_weights_from_disk(
-        self, model_path: str, weight_version: str | None = None
-    ) -> dict[str, Any]:
-        """Reload all weights from a safetensors directory between two steps (all or
-        nothing) and commit a new version; returns {version, label}."""
-        return await self.call(
-            "load_weights_from_disk", model_path=model_path, weight_version=weight_version
-        )
-
+    # The one control method with a body: it turns tensors into the verb's inline form.
     async def load_weights_inline(
         self,
         tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -184,57 +178,45 @@ class AsyncLLM:
         )
 
     # -- weight transfer: the four phases (DESIGN §4) ------------------------------------
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        """Join the trainer's channel (backend-specific `init_info`); may block until the
-        trainer joins too."""
-        await self.call("init_weight_transfer_engine", init_info=init_info)
-
-    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        """Open a round: no model step runs until it is finished or aborted."""
-        await self.call("start_weight_update", is_checkpoint_format=is_checkpoint_format)
-
-    async def update_weights(self, update_info: dict[str, Any]) -> int:
-        """Receive one chunk (validated, staged; the model is not touched yet)."""
-        return await self.call("update_weights", update_info=update_info)
-
-    async def prepare_weight_update(self) -> int:
-        """Phase one of a commit across engines: refuse now what `finish` would refuse
-        (e.g. an incomplete round under `require_complete`), apply nothing; the round stays
-        open. Returns the number of staged tensors."""
-        return await self.call("prepare_weight_update")
-
-    async def finish_weight_update(
-        self,
-        weight_version: str | None = None,
-        abort: bool = False,
-        digest: bool = False,
-        kv_policy: str | None = None,
-    ) -> dict[str, Any]:
-        """Apply the staged weights all at once and commit version + 1 labelled
-        `weight_version`; `abort=True` drops the round instead. Returns {version, label,
-        digest} as of this commit; `digest` (a blake2b of the weights, as `get_weight_info`
-        gives) only when asked for, since it reads every weight, otherwise None."""
-        return await self.call(
-            "finish_weight_update",
-            weight_version=weight_version,
-            abort=abort,
-            digest=digest,
-            kv_policy=kv_policy,
-        )
-
-    async def get_world_size(self) -> int:
-        return await self.call("get_world_size")
-
-    async def get_weight_info(self) -> dict[str, Any]:
-        """{version, label, digest} of the loaded weights."""
-        return await self.call("get_weight_info")
-
-    async def update_weight_version(self, label: str) -> dict[str, Any]:
-        """Commit a new weight version (+1) labelled `label`; returns {version, label}."""
-        return await self.call("update_weight_version", label=label)
-
-    async def get_weight_version(self) -> dict[str, Any]:
-        return await self.call("get_weight_version")
+    init_weight_transfer_engine = async_verb_method(
+        "init_weight_transfer_engine",
+        doc="Join the trainer's channel (backend-specific `init_info`); may block until the "
+        "trainer joins too.",
+    )
+    start_weight_update = async_verb_method(
+        "start_weight_update",
+        doc="Open a round: no model step runs until it is finished or aborted.",
+    )
+    update_weights = async_verb_method(
+        "update_weights",
+        doc="Receive one chunk (validated, staged; the model is not touched yet).",
+    )
+    prepare_weight_update = async_verb_method(
+        "prepare_weight_update",
+        doc="Phase one of a commit across engines: refuse now what `finish` would refuse "
+        "(e.g. an incomplete round under `require_complete`), apply nothing; the round stays "
+        "open. Returns the number of staged tensors.",
+    )
+    finish_weight_update = async_verb_method(
+        "finish_weight_update",
+        doc="Apply the staged weights all at once and commit version + 1 labelled "
+        "`weight_version`; `abort=True` drops the round instead. Returns {version, label, "
+        "digest} as of this commit; `digest` (a blake2b of the weights, as `get_weight_info` "
+        "gives) only when asked for, since it reads every weight, otherwise None; with "
+        "`checksum`, also `checksums` (one SHA-256 per tensor, vLLM's).",
+    )
+    get_world_size = async_verb_method("get_world_size")
+    get_weight_info = async_verb_method(
+        "get_weight_info", doc="{version, label, digest} of the loaded weights."
+    )
+    update_weight_version = async_verb_method(
+        "update_weight_version",
+        doc="Commit a new weight version (+1) labelled `label`; returns {version, label}.",
+    )
+    get_weight_version = async_verb_method("get_weight_version")
+    get_stats = async_verb_method(
+        "get_stats", doc="Queue sizes, KV usage, pause state and weight version of the engine core."
+    )
 
     async def collective_rpc(
         self,
@@ -248,10 +230,6 @@ class AsyncLLM:
         vLLM; a method already running finishes in the engine regardless."""
         call = self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
         return await asyncio.wait_for(call, timeout)
-
-    async def get_stats(self) -> dict[str, Any]:
-        """Queue sizes, KV usage, pause state and weight version of the engine core."""
-        return await self.call("get_stats")
 
     def front_end_stats(self) -> dict[str, Any]:
         """Counters kept as requests pass this front-end: prompt and generated tokens,

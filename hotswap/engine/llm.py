@@ -10,13 +10,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hotswap.engine_args import EngineArgs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.handlers import run_now
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import Prompt, encode_prompt, prepare_params, prompt_cache_salt
+from hotswap.engine.verb_methods import verb_method
 from hotswap.engine.verbs import make_args
+from hotswap.engine_args import EngineArgs
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -93,9 +94,6 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
-        return self.call("reset_prefix_cache", reset_running_requests=reset_running_requests)
-
     # -- control verbs (verbs.py); the named methods below are `call` with their arguments --
     def call(self, verb: str, **arguments: Any) -> Any:
         """Invoke a control verb by name, between two `generate` calls (nothing is in
@@ -111,53 +109,42 @@ class LLM:
         """Call `method` of the worker extension (`worker_extension_cls`); one result."""
         return self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
 
+    # -- the verbs' methods (verb_methods.py): parameters are the verbs' arguments -------
+    reset_prefix_cache = verb_method(
+        "reset_prefix_cache", doc="Forget cached prefixes; returns how many blocks were cached."
+    )
+
     # -- weights (DESIGN §4): the four phases, a version label, what is loaded ------------
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.call("init_weight_transfer_engine", init_info=init_info)
+    init_weight_transfer_engine = verb_method(
+        "init_weight_transfer_engine", doc="Join the trainer's channel (see AsyncLLM)."
+    )
+    start_weight_update = verb_method("start_weight_update", doc="Open a round (see AsyncLLM).")
+    update_weights = verb_method("update_weights", doc="Receive one chunk (see AsyncLLM).")
+    prepare_weight_update = verb_method(
+        "prepare_weight_update",
+        doc="Check the open round as `finish` would, without applying (see AsyncLLM).",
+    )
+    finish_weight_update = verb_method(
+        "finish_weight_update",
+        doc="Commit the round (see AsyncLLM); returns {version, label, digest} (and "
+        "`checksums` with `checksum`).",
+    )
+    update_weight_version = verb_method(
+        "update_weight_version", doc="Commit a new weight version (+1) labelled `label`."
+    )
+    get_world_size = verb_method(
+        "get_world_size",
+        doc="Receiving workers behind this engine (a broadcast group is this + 1).",
+    )
+    get_weight_info = verb_method(
+        "get_weight_info", doc="{version, label, digest} of the loaded weights."
+    )
+    load_weights_from_disk = verb_method(
+        "load_weights_from_disk",
+        doc="Reload all weights from a safetensors directory (see AsyncLLM).",
+    )
 
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self.call("start_weight_update", is_checkpoint_format=is_checkpoint_format)
-
-    def update_weights(self, update_info: dict[str, Any]) -> int:
-        return self.call("update_weights", update_info=update_info)
-
-    def prepare_weight_update(self) -> int:
-        """Check the open round as `finish` would, without applying (see AsyncLLM)."""
-        return self.call("prepare_weight_update")
-
-    def finish_weight_update(
-        self,
-        weight_version: str | None = None,
-        abort: bool = False,
-        digest: bool = False,
-        kv_policy: str | None = None,
-    ) -> dict[str, Any]:
-        """Commit the round (see AsyncLLM); returns {version, label, digest}."""
-        return self.call(
-            "finish_weight_update",
-            weight_version=weight_version,
-            abort=abort,
-            digest=digest,
-            kv_policy=kv_policy,
-        )
-
-    def update_weight_version(self, label: str) -> dict[str, Any]:
-        return self.call("update_weight_version", label=label)
-
-    def get_world_size(self) -> int:
-        """Receiving workers behind this engine (a broadcast group is this + 1)."""
-        return self.call("get_world_size")
-
-    def get_weight_info(self) -> dict[str, Any]:
-        return self.call("get_weight_info")
-
-    def load_weights_from_disk(
-        self, model_path: str, weight_version: str | None = None
-    ) -> dict[str, Any]:
-        return self.call(
-            "load_weights_from_disk", model_path=model_path, weight_version=weight_version
-        )
-
+    # A body of its own: it turns tensors into the verb's inline form.
     def load_weights_inline(
         self,
         tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

@@ -22,6 +22,7 @@ import ray
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import Prompt
+from hotswap.engine.verb_methods import async_verb_method
 from hotswap.errors import InvalidArgument
 from hotswap.outputs import RequestOutput
 from hotswap.ray.transfer import OBJECT, deliver
@@ -105,11 +106,10 @@ class EngineActor:
         """Any control verb by name (pause, resume, sleep, get_weight_info, ...)."""
         return await self.llm.call(verb, **arguments)
 
-    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        await self.llm.init_weight_transfer_engine(init_info)
-
-    async def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        await self.llm.start_weight_update(is_checkpoint_format)
+    # The weight-transfer phases by name (an EngineGroup of RayEngineClients calls them);
+    # their parameters are the verbs' (verb_methods.py).
+    init_weight_transfer_engine = async_verb_method("init_weight_transfer_engine")
+    start_weight_update = async_verb_method("start_weight_update")
 
     async def update_weights(self, update_info: dict[str, Any]) -> int:
         """One chunk. With the ray backend `update_info["object"]` is the chunk's
@@ -125,23 +125,10 @@ class EngineActor:
         with deliver(update_info, arrays) as info:
             return await self.llm.update_weights(info)
 
-    async def prepare_weight_update(self) -> int:
-        return await self.llm.prepare_weight_update()
-
-    async def finish_weight_update(
-        self,
-        weight_version: str | None = None,
-        abort: bool = False,
-        digest: bool = False,
-        kv_policy: str | None = None,
-    ) -> dict[str, Any]:
-        return await self.llm.finish_weight_update(weight_version, abort, digest, kv_policy)
-
-    async def get_world_size(self) -> int:
-        return await self.llm.get_world_size()
-
-    async def get_weight_info(self) -> dict[str, Any]:
-        return await self.llm.get_weight_info()
+    prepare_weight_update = async_verb_method("prepare_weight_update")
+    finish_weight_update = async_verb_method("finish_weight_update")
+    get_world_size = async_verb_method("get_world_size")
+    get_weight_info = async_verb_method("get_weight_info")
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -17,10 +17,11 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from hotswap.engine.verb_methods import verb_method
 from hotswap.outputs import RequestOutput
 from hotswap.rl.engine_group import EngineGroup
 from hotswap.sampling_params import SamplingParams
-from hotswap.weight_transfer.clients import CommittedWeights, WeightSyncError
+from hotswap.weight_transfer.clients import WeightSyncError, committed
 
 
 class EngineActorDiedError(WeightSyncError):
@@ -61,35 +62,27 @@ class RayEngineClient:
     def call(self, verb: str, **arguments: Any) -> Any:
         return self.get(self.actor.call.remote(verb, **arguments))
 
-    # -- the weight-sync client protocol ---------------------------------------------------
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.get(self.actor.init_weight_transfer_engine.remote(init_info))
+    def _remote(self, verb: str, **arguments: Any) -> Any:
+        """The actor's method of the verb's name (EngineActor's take its arguments)."""
+        return self.get(getattr(self.actor, verb).remote(**arguments))
 
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self.get(self.actor.start_weight_update.remote(is_checkpoint_format))
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.get(self.actor.update_weights.remote(update_info))
-
-    def prepare_weight_update(self) -> None:
-        self.get(self.actor.prepare_weight_update.remote())
-
-    def finish_weight_update(
-        self,
-        weight_version: str | None = None,
-        abort: bool = False,
-        digest: bool = False,
-        kv_policy: str | None = None,
-    ) -> CommittedWeights | None:
-        call = self.actor.finish_weight_update.remote(weight_version, abort, digest, kv_policy)
-        answer = self.get(call)
-        return None if abort else CommittedWeights.from_answer(answer)
-
-    def get_world_size(self) -> int:
-        return int(self.get(self.actor.get_world_size.remote()))
-
-    def weight_info(self) -> dict[str, Any]:
-        return self.get(self.actor.get_weight_info.remote())
+    # -- the weight-sync client protocol: the verbs' parameters (verb_methods.py) ----------
+    init_weight_transfer_engine = verb_method("init_weight_transfer_engine", via="_remote")
+    start_weight_update = verb_method("start_weight_update", via="_remote")
+    update_weights = verb_method(
+        "update_weights",
+        via="_remote",
+        doc="One chunk; with the ray backend it holds an ObjectRef.",
+    )
+    prepare_weight_update = verb_method("prepare_weight_update", via="_remote")
+    finish_weight_update = verb_method(
+        "finish_weight_update",
+        via="_remote",
+        answer=committed,
+        doc="Commit the round (returns what was committed) or abort it (returns None).",
+    )
+    get_world_size = verb_method("get_world_size", via="_remote", answer=lambda n, _: int(n))
+    weight_info = verb_method("get_weight_info", name="weight_info", via="_remote")
 
 
 class RayEngineGroup(EngineGroup):

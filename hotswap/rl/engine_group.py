@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from hotswap.engine.verb_methods import takes_verb_arguments
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.clients import (
     CommittedWeights,
@@ -27,7 +28,6 @@ from hotswap.weight_transfer.clients import (
 )
 from hotswap.weight_transfer.config import KV_POLICIES
 from hotswap.weight_transfer.engine import shift_rank_offset
-from hotswap.weight_transfer.trainer import commit_options
 
 
 class EngineGroupError(WeightSyncError):
@@ -94,16 +94,14 @@ class EngineGroup:
         if failed:
             raise EngineGroupError("update_weights", failed, self.names)
 
+    @takes_verb_arguments("finish_weight_update")
     def finish_weight_update(
-        self,
-        weight_version: str | None = None,
-        abort: bool = False,
-        digest: bool = False,
-        kv_policy: str | None = None,
+        self, *, weight_version: str | None, abort: bool, **options: Any
     ) -> GroupCommittedWeights | None:
         """Two-phase commit (see the module docstring); returns every engine's answer, or
-        None for an abort. `digest=True` asks each engine for its weights' digest;
-        `kv_policy` is the round's policy on every engine."""
+        None for an abort. `digest=True` asks each engine for its weights' digest,
+        `checksum=True` for its per-tensor checksums; `kv_policy` is the round's policy on
+        every engine."""
         everyone = range(len(self.clients))
         if abort:
             self._abort(everyone)
@@ -112,6 +110,7 @@ class EngineGroup:
         if weight_version is not None and bad_label:
             self._abort(everyone)
             raise ValueError(f"weight_version: must be a non-empty string, got {weight_version!r}")
+        kv_policy = options["kv_policy"]
         if kv_policy is not None and kv_policy not in KV_POLICIES:
             self._abort(everyone)
             raise InvalidArgument("kv_policy", f"kv_policy: must be one of "
@@ -122,7 +121,8 @@ class EngineGroup:
             raise EngineGroupError("prepare_weight_update (nothing was committed)", failed,
                                    self.names)  # fmt: skip
         answers: dict[int, Any] = {}
-        options = commit_options(digest, kv_policy)  # only these: plain clients take none
+        # Only the options asked for: a plain client takes none of them.
+        options = {k: v for k, v in options.items() if v is not None and v is not False}
 
         def commit(client: PreparingWeightSyncClient, i: int) -> None:
             answers[i] = client.finish_weight_update(weight_version, **options)  # type: ignore[call-arg]

@@ -5,6 +5,7 @@ plane of the chosen backend."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,6 +22,8 @@ class CommittedWeights:
     version: int
     label: str
     digest: str | None = None
+    # vLLM's per-tensor SHA-256 checksums, keyed by rank and name, when asked for (`checksum`)
+    checksums: dict[str, str] | None = None
 
     @classmethod
     def from_answer(cls, answer: dict[str, Any]) -> CommittedWeights:
@@ -31,7 +34,15 @@ class CommittedWeights:
         if not isinstance(version, int) or isinstance(version, bool) or not isinstance(label, str):
             raise WeightSyncError(f"finish_weight_update: the engine's answer names no commit: "
                                   f"{answer!r}")  # fmt: skip
-        return cls(version, label, digest if isinstance(digest, str) else None)
+        checksums = answer.get("checksums")
+        return cls(version, label, digest if isinstance(digest, str) else None,
+                   checksums if isinstance(checksums, dict) else None)  # fmt: skip
+
+
+def committed(answer: Any, arguments: Mapping[str, Any]) -> CommittedWeights | None:
+    """What a client's `finish_weight_update` returns from the engine's answer: None for
+    an abort, else what was committed."""
+    return None if arguments.get("abort") else CommittedWeights.from_answer(answer)
 
 
 @dataclass(frozen=True)
@@ -82,8 +93,9 @@ class WeightSyncClient(Protocol):
     def finish_weight_update(
         self, weight_version: str | None = None, abort: bool = False
     ) -> Committed | None:
-        """Commit (returns what was committed) or abort (returns None). Clients that can
-        also take `digest=True` (all of hotswap's) then hash the committed weights."""
+        """Commit (returns what was committed) or abort (returns None). The least a client
+        takes; hotswap's own take the verb's every argument (`digest=True` then hashes the
+        committed weights, `checksum=True` adds per-tensor checksums, `kv_policy`)."""
         ...
 
 
@@ -97,10 +109,66 @@ class PreparingWeightSyncClient(WeightSyncClient, Protocol):
     def weight_info(self) -> dict[str, Any]: ...
 
 
-class HTTPWeightSyncClient:
+class VerbClient:
+    """The weight-sync methods of hotswap's own clients (HTTP, in-process), declared once:
+    each invokes the verb of its name (`weight_info`: get_weight_info) through the
+    subclass's `_verb`. Their parameters are the verbs' (hotswap/engine/verbs.py), written
+    out because this layer sits below the engine's and cannot read the verb table;
+    tests/engine/test_client_signatures.py holds them to it."""
+
+    def _verb(self, verb: str, **arguments: Any) -> Any:
+        raise NotImplementedError
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._verb("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+        self._verb("start_weight_update", is_checkpoint_format=is_checkpoint_format)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._verb("update_weights", update_info=update_info)
+
+    def prepare_weight_update(self) -> None:
+        self._verb("prepare_weight_update")
+
+    def finish_weight_update(
+        self,
+        weight_version: str | None = None,
+        abort: bool = False,
+        digest: bool = False,
+        checksum: bool = False,
+        kv_policy: str | None = None,
+    ) -> CommittedWeights | None:
+        """Commit the round labelled `weight_version` (returns what was committed, with
+        the weights' `digest` and per-tensor `checksums` when asked for) or abort it
+        (returns None)."""
+        # The options only when asked: an older server refuses a field it does not know.
+        options = {"digest": digest, "checksum": checksum, "kv_policy": kv_policy}
+        arguments = {"weight_version": weight_version, "abort": abort,
+                     **{k: v for k, v in options.items() if v not in (None, False)}}  # fmt: skip
+        return committed(self._verb("finish_weight_update", **arguments), arguments)
+
+    def get_world_size(self) -> int:
+        return int(self._verb("get_world_size"))
+
+    def weight_info(self) -> dict[str, Any]:
+        """{version, label, digest} of the loaded weights (the get_weight_info verb)."""
+        return self._verb("get_weight_info")
+
+
+class HTTPWeightSyncClient(VerbClient):
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+
+    def _verb(self, verb: str, **arguments: Any) -> Any:
+        """The verb's route of `hotswap serve` (hotswap/entrypoints/dialects/vllm.py; this
+        layer cannot import it): POST /<verb> with the arguments given a value, or GET."""
+        path = _PATHS.get(verb, f"/{verb}")
+        if verb in _GET_VERBS:
+            return self._get(path)
+        body = {k: v for k, v in arguments.items() if v is not None}
+        return self._post(path, body or None)
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         return _checked(path, self.http.post(path, json=body))
@@ -108,43 +176,16 @@ class HTTPWeightSyncClient:
     def _get(self, path: str) -> dict[str, Any]:
         return _checked(path, self.http.get(path))
 
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._post("/init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self._post("/start_weight_update", {"is_checkpoint_format": is_checkpoint_format})
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._post("/update_weights", {"update_info": update_info})
-
-    def prepare_weight_update(self) -> None:
-        self._post("/prepare_weight_update")
-
     def get_world_size(self) -> int:
-        return int(self._get("/get_world_size")["world_size"])
-
-    def finish_weight_update(
-        self,
-        weight_version: str | None = None,
-        abort: bool = False,
-        digest: bool = False,
-        kv_policy: str | None = None,
-    ) -> CommittedWeights | None:
-        body: dict[str, Any] = {"abort": abort}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
-        if digest:  # only when asked: an older server would refuse the unknown field
-            body["digest"] = True
-        if kv_policy is not None:
-            body["kv_policy"] = kv_policy
-        answer = self._post("/finish_weight_update", body)
-        return None if abort else CommittedWeights.from_answer(answer)
-
-    def weight_info(self) -> dict[str, Any]:
-        return self._get("/weight_info")
+        return int(self._get("/get_world_size")["world_size"])  # the route wraps the count
 
     def close(self) -> None:
         self.http.close()
+
+
+# The routes that are not POST /<verb>.
+_PATHS = {"get_weight_info": "/weight_info"}
+_GET_VERBS = frozenset({"get_weight_info", "get_world_size"})
 
 
 def _checked(path: str, response: httpx.Response) -> dict[str, Any]:
@@ -159,15 +200,16 @@ def _checked(path: str, response: httpx.Response) -> dict[str, Any]:
     return response.json()
 
 
-class InProcessWeightSyncClient:
+class InProcessWeightSyncClient(VerbClient):
     """Drives an `AsyncLLM` (from any thread but its event loop's: trainer code is
     blocking) or an `LLM` in this process."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
-    def _run(self, method: str, *args: Any) -> Any:
-        result = getattr(self.llm, method)(*args)
+    def _verb(self, verb: str, **arguments: Any) -> Any:
+        """The engine's method of the verb's name (LLM's and AsyncLLM's take its arguments)."""
+        result = getattr(self.llm, verb)(**arguments)
         if not asyncio.iscoroutine(result):
             return result
         loop = getattr(self.llm, "_loop", None)
@@ -175,31 +217,3 @@ class InProcessWeightSyncClient:
             result.close()
             raise RuntimeError("AsyncLLM has not started yet: run a request or call first")
         return asyncio.run_coroutine_threadsafe(result, loop).result()
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._run("init_weight_transfer_engine", init_info)
-
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self._run("start_weight_update", is_checkpoint_format)
-
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        self._run("update_weights", update_info)
-
-    def prepare_weight_update(self) -> None:
-        self._run("prepare_weight_update")
-
-    def finish_weight_update(
-        self,
-        weight_version: str | None = None,
-        abort: bool = False,
-        digest: bool = False,
-        kv_policy: str | None = None,
-    ) -> CommittedWeights | None:
-        answer = self._run("finish_weight_update", weight_version, abort, digest, kv_policy)
-        return None if abort else CommittedWeights.from_answer(answer)
-
-    def get_world_size(self) -> int:
-        return int(self._run("get_world_size"))
-
-    def weight_info(self) -> dict[str, Any]:
-        return self._run("get_weight_info")
