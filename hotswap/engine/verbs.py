@@ -40,6 +40,8 @@ Path = Annotated[
     msgspec.Meta(min_length=1, max_length=MAX_PATH_CHARS, description="a path to a directory"),
 ]
 JSONObject = Annotated[dict[str, Any], msgspec.Meta(description="a JSON object")]
+InitInfo = Annotated[JSONObject, "init_info_cls"]  # typed by the backend's struct: see
+UpdateInfo = Annotated[JSONObject, "update_info_cls"]  # infos.py, make_args(backend=)
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256, description="a name")]
 # The dtypes a tensor can be sent in by value (weight_transfer/base.py names the same).
 TensorDType = Literal[
@@ -139,7 +141,7 @@ class LoadWeightsInline(Args, tag="load_weights_inline"):
 
 
 class InitWeightTransfer(Args, tag="init_weight_transfer_engine"):
-    init_info: JSONObject
+    init_info: InitInfo  # the backend's init info (as sent: unknown keys travel on)
 
 
 class LeaveWeightTransfer(Args, tag="leave_weight_transfer"):
@@ -151,7 +153,7 @@ class StartWeightUpdate(Args, tag="start_weight_update"):
 
 
 class UpdateWeights(Args, tag="update_weights"):
-    update_info: JSONObject
+    update_info: UpdateInfo  # the backend's update info (as sent: unknown keys travel on)
 
 
 class PrepareWeightUpdate(Args, tag="prepare_weight_update"):
@@ -268,10 +270,12 @@ def verb_of(args: Args) -> Verb:
     return VERBS[verb_name(args)]
 
 
-def make_args(verb: str, values: dict[str, Any], *, lax: bool = False) -> Args:
+def make_args(
+    verb: str, values: dict[str, Any], *, lax: bool = False, backend: str | None = None
+) -> Args:
     """The verb's arguments from `values`, each checked against its declared type and
-    constraints; InvalidArgument names the first field refused. `lax` accepts the string
-    forms a query string carries ("false", "1")."""
+    constraints (a transfer info: as `backend`'s, if given); InvalidArgument names the first
+    field refused. `lax` accepts the string forms a query string carries ("false", "1")."""
     declared = VERBS.get(verb)
     if declared is None:
         raise InvalidArgument("method", f"method: {verb!r} is not a control verb")
@@ -282,6 +286,10 @@ def make_args(verb: str, values: dict[str, Any], *, lax: bool = False) -> Args:
     checked = {}
     for name, value in values.items():
         checked[name] = _convert(name, value, fields[name].type, lax)
+        if backend is not None:  # a transfer info: checked with the backend's struct
+            from hotswap.weight_transfer.backends import check_info  # torch: only if asked
+
+            check_info(backend, fields[name].type, checked[name], name)
     missing = [f.name for f in fields.values() if f.required and f.name not in checked]
     if missing:
         raise InvalidArgument(missing[0], f"{missing[0]}: required")

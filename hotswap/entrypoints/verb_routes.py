@@ -31,6 +31,8 @@ from hotswap.entrypoints.errors import APIError, bad_request
 from hotswap.entrypoints.limits import check_json, printable_field
 from hotswap.entrypoints.openai.params import warn_ignored_fields
 from hotswap.entrypoints.state import get_engine, get_metrics, get_server_config
+from hotswap.weight_transfer.backends import get_backend
+from hotswap.weight_transfer.infos import InfoT, parse_info
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +58,13 @@ class VerbRoute:
     verb: str
     method: str = "POST"
     source: Source = "body"  # a GET route reads its query string whatever this says
-    # wire name -> the verb's argument (names not listed are the verb's own)
+    # wire name -> the verb's argument, or a field inside one: "init_info.master_port" reads
+    # the wire's master_port into init_info (names not listed are the verb's own). A refusal
+    # of that field, or of anything inside it, names the wire's field.
     names: Mapping[str, str] = field(default_factory=dict)
+    # The wire field a refusal of a verb field (a path) names where `translate` built that
+    # field from others (master_port from PipelineRL's init method); beside `names`.
+    sources: Mapping[str, str] = field(default_factory=dict)
     # Dialect-specific reshaping of the wire values into the verb's arguments (after
     # renaming); raises InvalidArgument with the wire name for values only it refuses.
     translate: Callable[[dict[str, Any]], dict[str, Any]] | None = None
@@ -82,7 +89,8 @@ def add_verb_routes(router: APIRouter, routes: Iterable[VerbRoute]) -> None:
 
 def _endpoint(route: VerbRoute) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Any:
-        args = route_args(route, await read_values(request, route))
+        values = await read_values(request, route)
+        args = route_args(route, values, info_backend(request, route.verb))
         return route.answer(await call_route(request, route, args))
 
     endpoint.__doc__ = f"{route.method} {route.path}: the `{route.verb}` verb."
@@ -111,7 +119,9 @@ async def read_values(request: Request, route: VerbRoute) -> dict[str, Any]:
         values = _query_values(request, route)
     else:
         values = await json_object(request)
-    known = set(_fields(route.verb)) | set(route.names) | route.consumes | route.ignored
+    # An argument the route fills field by field (names "init_info.x") is not on its wire.
+    filled = {path.partition(".")[0] for path in route.names.values() if "." in path}
+    known = (set(_fields(route.verb)) - filled) | set(route.names) | route.consumes | route.ignored
     values = known_fields(request, values, known, route.location)
     return {k: v for k, v in values.items() if k not in route.ignored}
 
@@ -136,29 +146,77 @@ def known_fields(
     return {k: v for k, v in values.items() if k in known}
 
 
-def route_args(route: VerbRoute, values: dict[str, Any]) -> verbs.Args:
-    """Rename, translate and validate; a refusal names the wire field."""
+def info_backend(request: Request, verb: str) -> str | None:
+    """The backend whose structs type the verb's transfer info where its arguments are
+    read (None: the engine checks it on receipt). An init's always; an update's only on a
+    backend that does not stream: a stream's sender is already sending the chunk, so a
+    chunk it cannot size must reach the engine, which refuses it and leaves the channel."""
+    if verb not in ("init_weight_transfer_engine", "update_weights"):
+        return None
+    config = get_engine(request).config.weight_transfer
+    if config is None:
+        return None
+    if verb == "update_weights" and get_backend(config.backend).needs_init:
+        return None
+    return config.backend
+
+
+def route_args(route: VerbRoute, values: dict[str, Any], backend: str | None = None) -> verbs.Args:
+    """Rename, translate and validate (a transfer info as `backend`'s, if given); a
+    refusal names the wire field."""
     try:
-        renamed = {route.names.get(k, k): v for k, v in values.items()}
+        renamed = _renamed(route, values)
         if route.translate is not None:
             renamed = route.translate(renamed)
-        return verbs.make_args(route.verb, renamed, lax=route.location == "query")
+        return verbs.make_args(route.verb, renamed, lax=route.location == "query", backend=backend)
     except InvalidArgument as e:
         raise _refusal(route, e) from None
 
 
+def _renamed(route: VerbRoute, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` under the verb's names; a name declared as a field of an argument
+    ("init_info.master_port") goes into that argument (one level: a transfer info's)."""
+    renamed: dict[str, Any] = {}
+    for name, value in values.items():
+        arg, _, inner = route.names.get(name, name).partition(".")
+        if inner:
+            renamed.setdefault(arg, {})[inner] = value
+        else:
+            renamed[arg] = value
+    return renamed
+
+
+def route_info(route: VerbRoute, cls: type[InfoT], values: dict[str, Any]) -> dict[str, Any]:
+    """A transfer info a route keeps for a later call (AReaL's meta, set before the update
+    that sends it): `values` renamed into the route's one info argument and checked as
+    `cls`; a refusal names the wire field. Returns the info as sent."""
+    (arg,) = {path.partition(".")[0] for path in route.names.values()}
+    info = _renamed(route, values).get(arg, {})
+    try:
+        parse_info(cls, info, arg)
+    except InvalidArgument as e:
+        raise _refusal(route, e) from None
+    return info
+
+
 def _refusal(route: VerbRoute, error: InvalidArgument) -> APIError:
+    """The refusal in the route's spelling: the longest declared verb field the refused
+    one lies in (`update_info.dtype_names` for `update_info.dtype_names[2]`) becomes its
+    wire name (`dtypes[2]`); undeclared ones keep the verb's names."""
     if error.field is None:
         return bad_request(str(error))
-    # The argument, then the path inside it: `tensors[3].data` -> `tensors`, `[3].data`.
-    head = _ARGUMENT.match(error.field).group(0)
-    rest = error.field[len(head) :]
-    wire = {arg: name for name, arg in route.names.items()}.get(head, head)
-    where = f"{route.location}.{wire}{rest}"
+    wire_names = {arg: name for name, arg in route.names.items()} | dict(route.sources)
+    field = error.field
+    head = _ARGUMENT.match(field).group(0)  # no declaration: the argument is its own name
+    for path in sorted(wire_names, key=len, reverse=True):
+        if field == path or (field.startswith(path) and field[len(path)] in ".["):
+            head = path
+            break
+    wire, rest = wire_names.get(head, head), field[len(head) :]
     message = str(error)
     if wire != head and message.startswith(f"{head}{rest}:"):
         message = wire + message[len(head) :]
-    return bad_request(message, where)
+    return bad_request(message, f"{route.location}.{wire}{rest}")
 
 
 _ARGUMENT = re.compile(r"[^.\[]*")
@@ -208,7 +266,7 @@ async def call_verb(request: Request, route: VerbRoute, verb: str, **values: Any
     """Invoke another verb from a route that composes several (a dialect whose one call
     is a whole weight round); `values` use the verb's own names."""
     try:
-        args = verbs.make_args(verb, values)
+        args = verbs.make_args(verb, values, backend=info_backend(request, verb))
     except InvalidArgument as e:
         raise _refusal(route, e) from None
     return await call_route(request, route, args)

@@ -20,6 +20,7 @@ from hotswap.weight_transfer.base import WeightSource
 from hotswap.weight_transfer.clients import WeightSyncClient
 from hotswap.weight_transfer.config import WeightTransferConfig
 from hotswap.weight_transfer.engine import ENGINE_BACKENDS, WeightTransferEngine
+from hotswap.weight_transfer.infos import parse_info
 from hotswap.weight_transfer.trainer import (
     TRAINER_BACKENDS,
     TrainerInitInfo,
@@ -34,6 +35,15 @@ def get_backend(name: str) -> type[WeightTransferEngine]:
         choices = ", ".join(sorted(ENGINE_BACKENDS))
         raise InvalidArgument("backend", f"backend: unknown {name!r}; choose from {choices}")
     return ENGINE_BACKENDS[name]
+
+
+def check_info(backend: str, declared: object, value: object, field: str) -> None:
+    """A verb argument declared as a transfer info (`Annotated[..., "init_info_cls"]`:
+    verbs.py) checked as backend `backend`'s struct of that name; InvalidArgument names the
+    path from `field`. Any other argument passes."""
+    kinds = [m for m in getattr(declared, "__metadata__", ()) if isinstance(m, str)]
+    if kinds:
+        parse_info(getattr(get_backend(backend), kinds[0]), value, field)
 
 
 def create_transfer_engine(

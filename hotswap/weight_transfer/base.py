@@ -2,7 +2,8 @@
 
 `ParamMeta` describes one tensor; a `WeightSource` has two channels, `metadata()` and
 iteration, that must agree element by element (the sender checks before any byte moves).
-Update infos are plain JSON: `names`, `dtype_names`, `shapes` of equal length.
+Update infos are plain JSON: `names`, `dtype_names`, `shapes` of equal length (their
+types: infos.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from hotswap.errors import InvalidArgument
+from hotswap.weight_transfer.infos import DTYPE_NAMES, TensorsInfo, parse_info
 
 _DTYPES = {
     "float32": torch.float32,
@@ -30,6 +32,7 @@ _DTYPES = {
     "bool": torch.bool,
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+assert tuple(_DTYPES) == DTYPE_NAMES  # the names infos.py declares an update info may use
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,45 +92,18 @@ def metas_to_update_info(metas: Sequence[ParamMeta]) -> dict[str, Any]:
 
 
 def metas_from_update_info(info: object) -> list[ParamMeta]:
-    """The `names` / `dtype_names` / `shapes` lists of an update info, checked: equal
-    lengths, known dtypes, non-negative integer shapes. Raises InvalidArgument naming the field."""
-    if not isinstance(info, dict):
-        raise InvalidArgument("update_info", "update_info: must be a JSON object")
-    lists = {}
-    for key in ("names", "dtype_names", "shapes"):
-        value = info.get(key)
-        if not isinstance(value, list):
-            raise InvalidArgument(f"update_info.{key}", f"update_info.{key}: required, a list")
-        lists[key] = value
-    counts = {key: len(value) for key, value in lists.items()}
-    if len(set(counts.values())) != 1:
-        raise InvalidArgument(
-            "update_info", f"update_info: names, dtype_names and shapes differ in length {counts}"
-        )
-    metas = []
-    for i, (name, dtype, shape) in enumerate(zip(*lists.values())):
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(
-                f"update_info.names[{i}]", f"update_info.names[{i}]: must be a non-empty string"
-            )
-        if not isinstance(shape, list) or not all(_is_size(s) for s in shape):
-            raise InvalidArgument(
-                f"update_info.shapes[{i}]",
-                f"update_info.shapes[{i}]: must be a list of sizes, got {shape!r}",
-            )
-        dtype = parse_dtype_name(dtype, f"update_info.dtype_names[{i}]")
-        metas.append(ParamMeta(name, dtype, tuple(shape)))
-    names = [m.name for m in metas]
-    if len(set(names)) != len(names):
-        duplicate = next(n for n in names if names.count(n) > 1)
-        raise InvalidArgument(
-            "update_info.names", f"update_info.names: {duplicate!r} appears twice"
-        )
-    return metas
+    """The `names` / `dtype_names` / `shapes` lists of an update info, checked (infos.py's
+    `TensorsInfo`: equal lengths, known dtypes, sizes, no name twice). Raises
+    InvalidArgument naming the field (`update_info.shapes[2]`)."""
+    return metas_of(parse_info(TensorsInfo, info, "update_info"))
 
 
-def _is_size(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def metas_of(info: TensorsInfo) -> list[ParamMeta]:
+    """The tensors a parsed update info lists."""
+    return [
+        ParamMeta(name, _DTYPES[dtype.removeprefix("torch.")], tuple(shape))
+        for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes)
+    ]
 
 
 class WeightSource(ABC):

@@ -22,21 +22,15 @@ import torch.distributed as dist
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
+from hotswap.weight_transfer.infos import (  # noqa: F401 - the defaults, also for trainers
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    DEFAULT_TIMEOUT_S,
+    BroadcastInitInfo,
+    Info,
+)
 from hotswap.weight_transfer.packing import arena_meta, buffer_lengths, byte_view, pack, views
 from hotswap.weight_transfer.rendezvous import join_group
-
-DEFAULT_BUFFER_BYTES = 64 << 20
-DEFAULT_NUM_BUFFERS = 2
-DEFAULT_TIMEOUT_S = 120.0
-# Upper bounds on what a control caller may ask for: a receive blocks the weight plane up
-# to `timeout_s` (a pending gloo wait cannot be interrupted), and buffers are allocated.
-MAX_TIMEOUT_S = 600.0
-MAX_PORT = 65535
-MAX_WORLD_SIZE = 1 << 16
-MAX_BUFFER_BYTES = 1 << 36
-MAX_NUM_BUFFERS = 64
-MAX_GROUP_NAME_CHARS = 256
-
 
 # Groups still open at interpreter exit are released by an atexit hook, while the runtime
 # is whole: a gloo group destroyed during finalisation can abort the process
@@ -49,34 +43,6 @@ def _close_open_channels() -> None:
     for channel in list(_OPEN_CHANNELS):
         channel.close()
     gc.collect()
-
-
-def _int(
-    info: dict[str, Any], key: str, default: int | None = None, low: int = 0, high: int = 2**63
-) -> int:
-    value = info.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise InvalidArgument(
-            f"init_info.{key}",
-            f"init_info.{key}: must be an integer in [{low}, {high}], got {value!r}",
-        )
-    return value
-
-
-def _timeout(info: dict[str, Any]) -> float:
-    timeout = info.get("timeout_s", DEFAULT_TIMEOUT_S)
-    # `not 0 < t <= max` also refuses nan; inf and 1e300 are above the bound.
-    if (
-        not isinstance(timeout, (int, float))
-        or isinstance(timeout, bool)
-        or not (0 < timeout <= MAX_TIMEOUT_S)
-    ):
-        raise InvalidArgument(
-            "init_info.timeout_s",
-            f"init_info.timeout_s: must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
-            f"got {timeout!r}",
-        )
-    return float(timeout)
 
 
 class BroadcastChannel:
@@ -186,69 +152,29 @@ class BroadcastEngine(WeightTransferEngine):
     then)."""
 
     backend: ClassVar[str] = "gloo"
+    init_info_cls: ClassVar[type[Info]] = BroadcastInitInfo
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.channel: BroadcastChannel | None = None
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        address = init_info.get("master_address")
-        if not isinstance(address, str) or not address or len(address) > 255:
-            raise InvalidArgument(
-                "init_info.master_address",
-                "init_info.master_address: required, a host name or address",
-            )
-        self.check_master_address(address)
-        port = _int(init_info, "master_port", low=1, high=MAX_PORT)
-        world_size = _int(init_info, "world_size", low=2, high=MAX_WORLD_SIZE)
-        # TRL's layout puts the trainer last (workers 0..N-1): trainer_rank = world_size - 1.
-        trainer = _int(init_info, "trainer_rank", 0, low=0, high=world_size - 1)
-        first = 1 if trainer == 0 else 0
-        rank = _int(init_info, "rank_offset", first, low=first, high=MAX_WORLD_SIZE)
-        if rank >= world_size:
-            raise InvalidArgument(
-                "init_info.rank_offset",
-                f"init_info.rank_offset: {rank} is outside world_size {world_size}",
-            )
-        if rank == trainer:
-            raise InvalidArgument(
-                "init_info.rank_offset",
-                f"init_info.rank_offset: {rank} is the trainer's rank (trainer_rank)",
-            )
-        group_name = init_info.get("group_name")
-        if group_name is not None and (
-            not isinstance(group_name, str) or not 0 < len(group_name) <= MAX_GROUP_NAME_CHARS
-        ):
-            raise InvalidArgument(
-                "init_info.group_name",
-                f"init_info.group_name: must be a string of 1 to {MAX_GROUP_NAME_CHARS} "
-                f"characters, got {type(group_name).__name__}",
-            )
-        packed = init_info.get("packed", group_name is None)
-        if not isinstance(packed, bool):
-            raise InvalidArgument("init_info.packed", "init_info.packed: must be a boolean")
-        if packed and group_name is not None:
-            raise InvalidArgument(
-                "init_info.packed",
-                "init_info.packed: a named group carries one broadcast per tensor; packed "
-                "must be false",
-            )
-        size = _int(init_info, "packed_buffer_size_bytes", DEFAULT_BUFFER_BYTES, low=1,
-                    high=MAX_BUFFER_BYTES)  # fmt: skip
-        count = _int(init_info, "packed_num_buffers", DEFAULT_NUM_BUFFERS, low=1,
-                     high=MAX_NUM_BUFFERS)  # fmt: skip
-        timeout = _timeout(init_info)
+        info = self.parse_init_info(init_info)
+        assert isinstance(info, BroadcastInitInfo)
+        self.check_master_address(info.master_address)
         self.shutdown()
         try:
-            group = join_group(address, port, rank, world_size, self.device, timeout,
-                               self.cancel, group_name)  # fmt: skip
+            group = join_group(info.master_address, info.master_port, info.rank,
+                               info.world_size, self.device, info.timeout_s, self.cancel,
+                               info.group_name)  # fmt: skip
         except InvalidArgument as e:
             if e.field != "master_address":  # this worker is rank 0 (trainer_rank > 0)
                 raise
             raise InvalidArgument("init_info.master_address", f"init_info.{e}") from None
         self.channel = BroadcastChannel(
-            group, self.device, packed, size, count, trainer, typed=group_name is not None
-        )
+            group, self.device, info.is_packed, info.packed_buffer_size_bytes,
+            info.packed_num_buffers, info.trainer_rank, typed=info.group_name is not None,
+        )  # fmt: skip
 
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]

@@ -21,13 +21,13 @@ from hotswap.errors import InvalidArgument, nested
 from hotswap.model.safetensors_io import iter_safetensors, safetensors_files
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
+from hotswap.weight_transfer.infos import MAX_PATH_CHARS, DiskInfo, Info, parse_info
 from hotswap.weight_transfer.trainer import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     register_trainer,
 )
 
-MAX_PATH_CHARS = 4096
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -140,6 +140,7 @@ def _count(value: object) -> bool:
 class DiskEngine(WeightTransferEngine):
     backend: ClassVar[str] = "disk"
     needs_init: ClassVar[bool] = False
+    update_info_cls: ClassVar[type[Info]] = DiskInfo  # then read from the filesystem
     # The only directories read (real paths); the engine sets its allowed_weight_dirs.
     # None: anywhere (a DiskEngine used on its own).
     allowed_dirs: tuple[Path, ...] | None = None
@@ -148,8 +149,7 @@ class DiskEngine(WeightTransferEngine):
         """Nothing to set up."""
 
     def parse_update_info(self, update_info: dict[str, Any]) -> list[ParamMeta]:
-        if not isinstance(update_info, dict):
-            raise InvalidArgument("update_info", "update_info: must be a JSON object")
+        parse_info(DiskInfo, update_info, "update_info")
         with nested("update_info"):  # what follows names update_info's `model_path`
             return self._metas(_files(update_info, self.allowed_dirs))
 

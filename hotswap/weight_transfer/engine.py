@@ -15,8 +15,9 @@ from typing import Any, ClassVar
 import torch
 
 from hotswap.errors import InvalidArgument
-from hotswap.weight_transfer.base import ParamMeta, metas_from_update_info
+from hotswap.weight_transfer.base import ParamMeta, metas_of
 from hotswap.weight_transfer.config import BACKEND_NAMES
+from hotswap.weight_transfer.infos import Info, NoInitInfo, TensorsInfo, parse_info
 
 Allocator = Callable[[ParamMeta], torch.Tensor]
 
@@ -36,6 +37,10 @@ class WeightTransferEngine(ABC):
 
     backend: ClassVar[str]
     needs_init: ClassVar[bool] = True  # False: usable without init_weight_transfer_engine
+    # What init_weight_transfer_engine and update_weights carry (infos.py): the engine
+    # parses with them, and so does a front end that knows the backend (make_args).
+    init_info_cls: ClassVar[type[Info]] = NoInitInfo
+    update_info_cls: ClassVar[type[Info]] = TensorsInfo
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -63,10 +68,17 @@ class WeightTransferEngine(ABC):
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Join the channel (may block until the trainer joins too)."""
 
+    def parse_init_info(self, init_info: object) -> Info:
+        """`init_info` as this backend's `init_info_cls`; InvalidArgument naming the path
+        (`init_info.master_port`)."""
+        return parse_info(self.init_info_cls, init_info, "init_info")
+
     def parse_update_info(self, update_info: dict[str, Any]) -> list[ParamMeta]:
         """The tensors an update will deliver; InvalidArgument naming the bad field (the
         path from `update_info`, e.g. `update_info.names[2]`)."""
-        return metas_from_update_info(update_info)
+        info = parse_info(self.update_info_cls, update_info, "update_info")
+        assert isinstance(info, TensorsInfo)  # a backend with another kind parses its own
+        return metas_of(info)
 
     def start_weight_update(self) -> None:  # noqa: B027 - optional hook
         """A round begins."""

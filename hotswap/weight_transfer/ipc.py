@@ -35,6 +35,7 @@ from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ModuleSource, ParamMeta, metas_to_update_info
 from hotswap.weight_transfer.cuda_ipc import export_handle, open_handle
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
+from hotswap.weight_transfer.infos import Info, IPCInfo
 from hotswap.weight_transfer.packing import layout, pack
 from hotswap.weight_transfer.shm import Segment, check_available, check_name
 from hotswap.weight_transfer.trainer import (
@@ -48,6 +49,7 @@ from hotswap.weight_transfer.trainer import (
 class IPCEngine(WeightTransferEngine):
     backend: ClassVar[str] = "ipc"
     needs_init: ClassVar[bool] = False
+    update_info_cls: ClassVar[type[Info]] = IPCInfo
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -66,28 +68,20 @@ class IPCEngine(WeightTransferEngine):
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Views of the trainer's memory, valid for the rest of the round."""
-        if "cuda_ipc" in update_info:
-            opened = _open_cuda_handles(update_info["cuda_ipc"], metas)
+        """Views of the trainer's memory, valid for the rest of the round (`update_info`
+        is as `parse_update_info` checked it: IPCInfo)."""
+        if update_info.get("cuda_ipc") is not None:
+            opened = [  # every handle checked and opened before anything is staged
+                (meta.name, open_handle(meta, entry, f"update_info.cuda_ipc[{i}]"))
+                for i, (meta, entry) in enumerate(zip(metas, update_info["cuda_ipc"]))
+            ]
             self._cuda_open.extend(t for _, t in opened)
             return iter(opened)
-        names = update_info.get("segments")
-        if not isinstance(names, list):
-            raise InvalidArgument(
-                "update_info.segments", "update_info.segments: required, a list of segment names"
-            )
         segments = [self._segment(name, f"update_info.segments[{i}]") for i, name in
-                    enumerate(names)]  # fmt: skip
-        placements = update_info.get("placements")
-        if not isinstance(placements, list) or len(placements) != len(metas):
-            raise InvalidArgument(
-                "update_info.placements",
-                f"update_info.placements: required, one [segment, byte offset] per name "
-                f"({len(metas)})",
-            )
+                    enumerate(update_info["segments"])]  # fmt: skip
         views = [  # every placement checked before anything is staged
-            (meta.name, _view(segments, meta, placement, i))
-            for i, (meta, placement) in enumerate(zip(metas, placements))
+            (meta.name, _view(segments[index], meta, offset, f"update_info.placements[{i}]"))
+            for i, (meta, (index, offset)) in enumerate(zip(metas, update_info["placements"]))
         ]
         return iter(views)
 
@@ -114,34 +108,7 @@ class IPCEngine(WeightTransferEngine):
         self._cuda_open, self._cuda_kept = [], []
 
 
-def _open_cuda_handles(entries: object, metas: list[ParamMeta]) -> list[tuple[str, torch.Tensor]]:
-    if not isinstance(entries, list) or len(entries) != len(metas):
-        raise InvalidArgument(
-            "update_info.cuda_ipc",
-            f"update_info.cuda_ipc: required, one handle per name ({len(metas)})",
-        )
-    return [  # every handle checked and opened before anything is staged
-        (meta.name, open_handle(meta, entry, f"update_info.cuda_ipc[{i}]"))
-        for i, (meta, entry) in enumerate(zip(metas, entries))
-    ]
-
-
-def _view(segments: list[Segment], meta: ParamMeta, placement: object, i: int) -> torch.Tensor:
-    field = f"update_info.placements[{i}]"
-    if not (
-        isinstance(placement, list)
-        and len(placement) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in placement)
-    ):
-        raise InvalidArgument(
-            field, f"{field}: must be [segment index, byte offset], got {placement!r}"
-        )
-    index, offset = placement
-    if index >= len(segments):
-        raise InvalidArgument(
-            field, f"{field}: segment index {index}, but {len(segments)} segment(s) listed"
-        )
-    segment = segments[index]
+def _view(segment: Segment, meta: ParamMeta, offset: int, field: str) -> torch.Tensor:
     if offset % meta.dtype.itemsize:
         raise InvalidArgument(field, f"{field}: offset {offset} is not aligned to {meta.dtype}")
     if offset + meta.nbytes > segment.size:

@@ -15,17 +15,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from hotswap.errors import InvalidArgument
-from hotswap.weight_transfer.base import (
-    Delta,
-    ParamMeta,
-    metas_from_update_info,
-    metas_to_update_info,
-)
+from hotswap.weight_transfer.base import Delta, ParamMeta, metas_to_update_info
 from hotswap.weight_transfer.broadcast import BroadcastEngine
 from hotswap.weight_transfer.broadcast_trainer import BroadcastTrainer, GlooTrainerInitInfo
 from hotswap.weight_transfer.clients import Committed
 from hotswap.weight_transfer.engine import register_backend
+from hotswap.weight_transfer.infos import Info, SparseInfo
 from hotswap.weight_transfer.trainer import register_trainer, run_alongside
 
 
@@ -82,24 +77,7 @@ class SparseEngine(BroadcastEngine):
 
     backend: ClassVar[str] = "sparse"
 
-    def parse_update_info(self, update_info: dict[str, Any]) -> list[ParamMeta]:
-        metas = metas_from_update_info(update_info)
-        nnz = update_info.get("nnz")
-        if not isinstance(nnz, list) or len(nnz) != len(metas):
-            raise InvalidArgument(
-                "update_info.nnz", "update_info.nnz: required, one count per name"
-            )
-        for i, (count, meta) in enumerate(zip(nnz, metas)):
-            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-                raise InvalidArgument(
-                    f"update_info.nnz[{i}]", f"update_info.nnz[{i}]: must be a non-negative integer"
-                )
-            if count > meta.numel:
-                raise InvalidArgument(
-                    f"update_info.nnz[{i}]",
-                    f"update_info.nnz[{i}]: {count} exceeds {meta.numel} elements",
-                )
-        return metas
+    update_info_cls: ClassVar[type[Info]] = SparseInfo
 
     def receive_weights(
         self, update_info: dict[str, Any], metas: list[ParamMeta]

@@ -41,21 +41,19 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from hotswap.engine.errors import InvalidArgument
 from hotswap.entrypoints.errors import APIError, bad_request
 from hotswap.entrypoints.state import get_engine
 from hotswap.entrypoints.verb_routes import (
     VerbRoute,
     call_route,
     call_verb,
+    info_backend,
     read_values,
     route_args,
+    route_info,
     weight_round,
 )
-from hotswap.weight_transfer.base import parse_dtype_name
-
-BROADCAST_BACKENDS = ("gloo", "nccl")
-MAX_PORT = 65535
+from hotswap.weight_transfer.infos import BROADCAST_BACKENDS, TensorsInfo
 
 
 @dataclass
@@ -73,24 +71,43 @@ def _state(request: Request) -> ArealState:
     return state
 
 
-def _refused(error: InvalidArgument) -> APIError:
-    return bad_request(str(error), f"body.{error.field}" if error.field else "body")
-
-
 PAUSE = VerbRoute("/areal_pause_generation", "pause")
 RESUME = VerbRoute("/areal_continue_generation", "resume")
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "backend",
                "group_name")  # fmt: skip
+
+
+def _init_info(values: dict[str, Any]) -> dict[str, Any]:
+    """AReaL's spellings as init_info's: master_port as a string, an IPv6 address as a URL
+    host ([::1]); the trainer's torch-helper group carries one typed broadcast per tensor."""
+    info = dict(values["init_info"])
+    address, port = info["master_address"], info["master_port"]
+    if isinstance(address, str):
+        info["master_address"] = address.removeprefix("[").removesuffix("]")
+    if isinstance(port, str) and port.isascii() and port.isdigit() and len(port) <= 5:
+        info["master_port"] = int(port)
+    return {"init_info": {**info, "packed": False}}
+
+
+# AReaL's init fields are init_info's own keys (a refusal of init_info.master_port names
+# body.master_port); `backend` is checked against the server's here.
 INIT = VerbRoute(
     "/areal_init_weights_update_group",
     "init_weight_transfer_engine",
-    names={name: name for name in INIT_FIELDS},  # read as sent, checked here
+    names={name: f"init_info.{name}" for name in INIT_FIELDS if name != "backend"},
+    translate=_init_info,
+    consumes=frozenset({"backend"}),
 )
+# The meta is the next update's info under AReaL's names; lists of other lengths (the info
+# as a whole) are refused as `names`'.
 META = VerbRoute(
     "/areal_set_update_weight_meta",
     "update_weights",
-    names={name: name for name in ("names", "dtypes", "shapes", "group_name")},
-)
+    names={"names": "update_info.names", "dtypes": "update_info.dtype_names",
+           "shapes": "update_info.shapes"},
+    consumes=frozenset({"group_name"}),
+    sources={"update_info": "names"},
+)  # fmt: skip
 # The update's chunk is the meta set before it: the engine's refusals of it name `meta`.
 XCCL = VerbRoute("/areal_update_weights_xccl", "update_weights", names={"meta": "update_info"})
 DISK = VerbRoute(
@@ -120,77 +137,44 @@ async def areal_continue_generation(request: Request) -> dict[str, Any]:
 @areal_router.post("/areal_init_weights_update_group")
 async def areal_init_weights_update_group(request: Request) -> dict[str, Any]:
     values = await read_values(request, INIT)
-    try:
-        init_info, group_name = _init_info(request, values)
-    except InvalidArgument as e:
-        raise _refused(e) from None
+    for name in INIT_FIELDS:  # AReaL always sends them all
+        if name not in values:
+            raise bad_request(f"{name}: required", f"body.{name}")
+    _check_backend(request, values.pop("backend"))
+    args = route_args(INIT, values, info_backend(request, INIT.verb))
     state = _state(request)
     state.group_name = state.meta = None  # the old group goes whatever happens
-    try:
-        await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
-    except APIError as e:  # the engine's `init_info.X` is the body's X
-        param = (e.param or "").replace("body.init_info.", "body.", 1)
-        raise APIError(e.status, e.message.replace("init_info.", "", 1), param) from None
-    state.group_name = group_name
+    await call_route(request, INIT, args)
+    state.group_name = values["group_name"]
     return {"success": True, "message": "Weight update group initialized"}
 
 
-def _init_info(request: Request, values: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    for name in INIT_FIELDS:
-        if name not in values:
-            raise InvalidArgument(name, f"{name}: required")
-    address, group_name, backend = (
-        values["master_address"], values["group_name"], values["backend"]
-    )  # fmt: skip
-    if not isinstance(address, str) or not address:
-        raise InvalidArgument("master_address", "master_address: must be a host name or address")
-    if not isinstance(group_name, str) or not group_name:
-        raise InvalidArgument("group_name", "group_name: must be a non-empty string")
-    port = values["master_port"]  # AReaL sends it as a string
-    if isinstance(port, str) and port.isascii() and port.isdigit() and len(port) <= 5:
-        port = int(port)
-    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= MAX_PORT:
-        raise InvalidArgument("master_port", f"master_port: must be a port number, got "
-                              f"{values['master_port']!r}")  # fmt: skip
-    for name in ("rank_offset", "world_size"):
-        value = values[name]
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise InvalidArgument(name, f"{name}: must be an integer, got {value!r}")
+def _check_backend(request: Request, backend: object) -> None:
     config = get_engine(request).config.weight_transfer
-    if config is not None:
-        if config.backend not in BROADCAST_BACKENDS:
-            raise APIError(
-                409,
-                f"AReaL broadcasts weights over a process group, but this server receives "
-                f"with the {config.backend!r} backend; start it with --weight-transfer-config "
-                f'\'{{"backend": "nccl"}}\' (or "gloo" on CPU)',
-            )
-        if backend != config.backend:
-            raise InvalidArgument("backend", f"backend: this server receives over "
-                                  f"{config.backend!r}, got {backend!r}")  # fmt: skip
-    init_info = {
-        # AReaL writes an IPv6 address as a URL host: [::1]
-        "master_address": address.removeprefix("[").removesuffix("]"),
-        "master_port": port,
-        "rank_offset": values["rank_offset"],
-        "world_size": values["world_size"],
-        "group_name": group_name,  # the trainer's torch-helper group: its keys, typed
-        "packed": False,
-    }
-    return init_info, group_name
+    if config is None:
+        return  # the engine answers: weight transfer is not configured (409)
+    if config.backend not in BROADCAST_BACKENDS:
+        raise APIError(
+            409,
+            f"AReaL broadcasts weights over a process group, but this server receives "
+            f"with the {config.backend!r} backend; start it with --weight-transfer-config "
+            f'\'{{"backend": "nccl"}}\' (or "gloo" on CPU)',
+        )
+    if backend != config.backend:
+        raise bad_request(f"backend: this server receives over {config.backend!r}, got "
+                          f"{backend!r}", "body.backend")  # fmt: skip
 
 
 @areal_router.post("/areal_set_update_weight_meta")
 async def areal_set_update_weight_meta(request: Request) -> dict[str, Any]:
     values = await read_values(request, META)
     state = _state(request)
-    try:
-        meta = update_info(values)
-        group_name = values.get("group_name")
-        if not isinstance(group_name, str):
-            raise InvalidArgument("group_name", "group_name: required, a string")
-    except InvalidArgument as e:
-        raise _refused(e) from None
+    group_name = values.pop("group_name", None)
+    meta = route_info(META, TensorsInfo, values)
+    if not meta["names"]:
+        raise bad_request("names: must list at least one parameter", "body.names")
+    if not isinstance(group_name, str):
+        raise bad_request("group_name: required, a string", "body.group_name")
     if state.group_name is None:
         raise APIError(409, "areal_set_update_weight_meta: no weight update group; call "
                        "/areal_init_weights_update_group first")  # fmt: skip
@@ -200,38 +184,6 @@ async def areal_set_update_weight_meta(request: Request) -> dict[str, Any]:
                           "body.group_name")  # fmt: skip
     state.meta = meta
     return {"success": True, "message": "Success"}
-
-
-def update_info(values: dict[str, Any]) -> dict[str, list]:
-    """AReaL's names / dtypes / shapes as an update info, checked entry by entry."""
-    lists = {}
-    for key in ("names", "dtypes", "shapes"):
-        value = values.get(key)
-        if not isinstance(value, list):
-            raise InvalidArgument(key, f"{key}: required, a list")
-        lists[key] = value
-    names, dtypes, shapes = lists["names"], lists["dtypes"], lists["shapes"]
-    if not names:
-        raise InvalidArgument("names", "names: must list at least one parameter")
-    if not len(names) == len(dtypes) == len(shapes):
-        raise InvalidArgument("names", f"names: names, dtypes and shapes differ in length "
-                              f"({len(names)}, {len(dtypes)}, {len(shapes)})")  # fmt: skip
-    for i, (name, dtype, shape) in enumerate(zip(names, dtypes, shapes)):
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"names[{i}]", f"names[{i}]: must be a non-empty string")
-        try:
-            parse_dtype_name(dtype, f"dtypes[{i}]")
-        except ValueError as e:
-            raise InvalidArgument(f"dtypes[{i}]", str(e)) from None
-        if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-        ):
-            raise InvalidArgument(f"shapes[{i}]", f"shapes[{i}]: must be a list of sizes, "
-                                  f"got {shape!r}")  # fmt: skip
-    if len(set(names)) != len(names):
-        duplicate = next(n for n in names if names.count(n) > 1)
-        raise InvalidArgument("names", f"names: {duplicate!r} appears twice")
-    return {"names": names, "dtype_names": dtypes, "shapes": shapes}
 
 
 async def _paused_for(request: Request, route: VerbRoute, update: Callable[[], Awaitable]) -> None:

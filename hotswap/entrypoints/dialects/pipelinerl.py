@@ -41,18 +41,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+import msgspec
 from fastapi import APIRouter, Request
 
 from hotswap.engine.errors import InvalidArgument
 from hotswap.entrypoints.errors import APIError, bad_request
 from hotswap.entrypoints.state import get_engine
 from hotswap.entrypoints.verb_routes import VerbRoute, call_verb, read_values, weight_round
-from hotswap.weight_transfer.base import parse_dtype_name
+from hotswap.weight_transfer.infos import (
+    BROADCAST_BACKENDS,
+    DTypeName,
+    Info,
+    Shape,
+    TensorName,
+    parse_info,
+)
 
-BROADCAST_BACKENDS = ("gloo", "nccl")
 MAX_INT = 2**63 - 1
 DEFAULT_GROUP = "actor"  # the name PipelineRL's init_extra_process_group calls gave
 
@@ -69,15 +76,49 @@ INIT = VerbRoute(
     names={name: name for name in ("actor_idx", "actor_ngpus",
            "weight_update_group_init_method", "weight_update_group_world_size",
            "group_name")},
+    # init_info's fields -> the body field each comes from (for refusals of them)
+    sources={
+        "init_info.master_address": "weight_update_group_init_method",
+        "init_info.master_port": "weight_update_group_init_method",
+        "init_info.world_size": "weight_update_group_world_size",
+        "init_info.rank_offset": "actor_idx",
+        "init_info.group_name": "group_name",
+    },
 )  # fmt: skip
-# init_info's fields -> the body field each comes from (for the engine's refusals)
-INIT_SOURCES = {
-    "master_address": "weight_update_group_init_method",
-    "master_port": "weight_update_group_init_method",
-    "world_size": "weight_update_group_world_size",
-    "rank_offset": "actor_idx",
-    "group_name": "group_name",
-}
+
+
+class Parameter(msgspec.Struct, frozen=True):
+    """One entry of PipelineRL's `parameters_info` (unknown keys ignored)."""
+
+    name: TensorName
+    shape: Shape
+    dtype: DTypeName  # "torch.bfloat16": str(dtype)
+
+
+class WeightUpdateRequest(Info):
+    """PipelineRL's /receive_weight_update body: a refusal names its field
+    (`parameters_info[3].dtype`)."""
+
+    version: Annotated[int, msgspec.Meta(ge=0, le=MAX_INT, description="an integer >= 0")]
+    parameters_info: Annotated[
+        list[Parameter], msgspec.Meta(min_length=1, description="a non-empty list of parameters")
+    ]
+
+    def check(self) -> None:
+        seen: set[str] = set()
+        for i, parameter in enumerate(self.parameters_info):
+            if parameter.name in seen:
+                raise InvalidArgument(f"parameters_info[{i}].name", f"parameters_info[{i}].name: "
+                                      f"{parameter.name!r} appears twice")  # fmt: skip
+            seen.add(parameter.name)
+
+    def update_info(self) -> dict[str, list]:
+        """The tensors listed, as an update info (names, dtype_names, shapes)."""
+        return {
+            "names": [p.name for p in self.parameters_info],
+            "dtype_names": [p.dtype for p in self.parameters_info],
+            "shapes": [p.shape for p in self.parameters_info],
+        }
 
 
 def _integer(values: dict[str, Any], name: str, low: int = 0) -> int:
@@ -87,38 +128,6 @@ def _integer(values: dict[str, Any], name: str, low: int = 0) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_INT:
         raise InvalidArgument(name, f"{name}: must be an integer >= {low}, got {value!r}")
     return value
-
-
-def update_info(parameters_info: object) -> dict[str, list]:
-    """`parameters_info` as an update info (names, dtype_names, shapes), each entry checked;
-    a refusal names the entry's field (`parameters_info[3].dtype`)."""
-    field = "parameters_info"
-    if not isinstance(parameters_info, list) or not parameters_info:
-        raise InvalidArgument(field, f"{field}: must be a non-empty list of parameters")
-    names: list[str] = []
-    info: dict[str, list] = {"names": names, "dtype_names": [], "shapes": []}
-    for i, entry in enumerate(parameters_info):
-        where = f"{field}[{i}]"
-        if not isinstance(entry, dict):
-            raise InvalidArgument(where, f"{where}: must be an object with name, shape, dtype")
-        name, shape, dtype = entry.get("name"), entry.get("shape"), entry.get("dtype")
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"{where}.name", f"{where}.name: must be a non-empty string")
-        if name in names:
-            raise InvalidArgument(f"{where}.name", f"{where}.name: {name!r} appears twice")
-        if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-        ):
-            raise InvalidArgument(f"{where}.shape", f"{where}.shape: must be a list of sizes, "
-                                  f"got {shape!r}")  # fmt: skip
-        try:
-            parse_dtype_name(dtype, f"{where}.dtype")
-        except ValueError as e:
-            raise InvalidArgument(f"{where}.dtype", str(e)) from None
-        names.append(name)
-        info["dtype_names"].append(dtype)
-        info["shapes"].append(shape)
-    return info
 
 
 def _refused(error: InvalidArgument) -> APIError:
@@ -156,15 +165,15 @@ pipelinerl_router = APIRouter()
 async def receive_weight_update(request: Request) -> dict[str, str]:
     values = await read_values(request, RECEIVE)
     try:
-        version = _integer(values, "version")
-        chunk = update_info(values.get("parameters_info"))
+        update = parse_info(WeightUpdateRequest, values, "")
     except InvalidArgument as e:
         raise _refused(e) from None
     require_broadcast_backend(request, "PipelineRL")
     async with _lock(request):
         await call_verb(request, RECEIVE, "pause", mode="keep", clear_cache=False)
         try:
-            await weight_round(request, RECEIVE, [chunk], weight_version=str(version))
+            await weight_round(request, RECEIVE, [update.update_info()],
+                               weight_version=str(update.version))  # fmt: skip
         except BaseException:
             with contextlib.suppress(Exception):  # the round's own error is the answer
                 await call_verb(request, RECEIVE, "resume")
@@ -184,9 +193,6 @@ async def init_actor_update_group(request: Request) -> dict[str, str]:
         actor_ngpus = _integer(values, "actor_ngpus", low=1)
         world_size = _integer(values, "weight_update_group_world_size", low=2)
         address, port = _tcp_address(values.get("weight_update_group_init_method"))
-        group_name = values.get("group_name", DEFAULT_GROUP)
-        if not isinstance(group_name, str) or not group_name:
-            raise InvalidArgument("group_name", "group_name: must be a non-empty string")
     except InvalidArgument as e:
         raise _refused(e) from None
     rank_offset = 1 + actor_idx * actor_ngpus
@@ -198,23 +204,10 @@ async def init_actor_update_group(request: Request) -> dict[str, str]:
         )
     require_broadcast_backend(request, "PipelineRL")
     init_info = {"master_address": address, "master_port": port, "world_size": world_size,
-                 "rank_offset": rank_offset, "group_name": group_name,
-                 "packed": False}  # fmt: skip
-    try:
-        await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
-    except APIError as e:
-        raise _init_refusal(e) from None
+                 "rank_offset": rank_offset, "packed": False,
+                 "group_name": values.get("group_name", DEFAULT_GROUP)}  # fmt: skip
+    await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
     return {"status": "ok"}
-
-
-def _init_refusal(error: APIError) -> APIError:
-    """An engine refusal of `init_info.X` (an address not allowed, no store answering)
-    names the body field X came from."""
-    head, _, rest = (error.param or "").partition("body.init_info.")
-    wire = INIT_SOURCES.get(rest.split(".")[0]) if not head and rest else None
-    if wire is None:
-        return error
-    return APIError(error.status, f"{wire}: {error.message}", f"body.{wire}")
 
 
 def _tcp_address(method: object) -> tuple[str, int]:

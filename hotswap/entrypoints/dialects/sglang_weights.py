@@ -61,17 +61,27 @@ from hotswap.entrypoints.verb_routes import (
     route_args,
     weight_round,
 )
+from hotswap.weight_transfer.infos import BROADCAST_BACKENDS
 
 sglang_weights_router = APIRouter()
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
-BROADCAST_BACKENDS = ("gloo", "nccl")  # --weight-transfer-config backends a group can feed
 # The attribute of app.state naming the group this server joined (the front-end's record:
 # a later update naming another group is refused before anything reaches the engine).
 _GROUP_STATE = "sglang_weight_update_group"
 
-INIT = VerbRoute("/init_weights_update_group", "init_weight_transfer_engine")
-UPDATE = VerbRoute("/update_weights_from_distributed", "update_weights")
+# SGLang's fields are init_info's own keys, and update_info's lists under its names: a
+# refusal of init_info.master_port names body.master_port, of update_info.dtype_names[0]
+# body.dtypes[0].
+INIT = VerbRoute(
+    "/init_weights_update_group",
+    "init_weight_transfer_engine",
+    names={key: f"init_info.{key}" for key in ("master_address", "master_port", "rank_offset",
+                                               "world_size", "group_name")},
+)  # fmt: skip
+UPDATE_NAMES = {"names": "update_info.names", "dtypes": "update_info.dtype_names",
+                "shapes": "update_info.shapes"}  # fmt: skip
+UPDATE = VerbRoute("/update_weights_from_distributed", "update_weights", names=UPDATE_NAMES)
 TENSOR = VerbRoute(
     "/update_weights_from_tensor", "load_weights_inline", names={"named_tensors": "tensors"}
 )
@@ -86,9 +96,6 @@ TENSOR_FIELDS = frozenset({"serialized_named_tensors", "named_tensors", "load_fo
                            "flush_cache", "abort_all_requests", "weight_version",
                            "disable_draft_model", "torch_empty_cache"})  # fmt: skip
 DESTROY_FIELDS = frozenset({"group_name"})
-
-# update_info's keys -> SGLang's names for them
-_UPDATE_KEYS = {"names": "names", "dtype_names": "dtypes", "shapes": "shapes"}
 
 
 # -- /init_weights_update_group ----------------------------------------------------------
@@ -106,10 +113,7 @@ async def init_weights_update_group(request: Request) -> dict[str, Any]:
     for key in ("master_port", "rank_offset", "world_size"):
         if key in values:
             init_info[key] = _lax_int(values[key], key)
-    try:
-        await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
-    except APIError as e:
-        raise _respell_init(e) from None
+    await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
     setattr(request.app.state, _GROUP_STATE, group_name)
     return {"success": True, "message": "Succeeded to initialize custom process group."}
 
@@ -148,14 +152,6 @@ def _lax_int(value: object, key: str) -> object:
     return value
 
 
-def _respell_init(error: APIError) -> APIError:
-    """init_info.master_port -> master_port: SGLang's fields are init_info's own keys."""
-    if error.param and error.param.startswith("body.init_info."):
-        message = error.message.removeprefix("init_info.")
-        return APIError(error.status, message, "body." + error.param[len("body.init_info.") :])
-    return error
-
-
 # -- /update_weights_from_distributed ----------------------------------------------------
 @sglang_weights_router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
@@ -185,8 +181,8 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
         )
     flush_cache = flag(values, "flush_cache", True)
     abort_all = flag(values, "abort_all_requests", False)
-    update_info = {ours: values[theirs] for ours, theirs in _UPDATE_KEYS.items()
-                   if theirs in values}  # fmt: skip
+    update_info = {path.removeprefix("update_info."): values[theirs]
+                   for theirs, path in UPDATE_NAMES.items() if theirs in values}  # fmt: skip
     engine = get_engine(request)
     if abort_all:
         await engine.abort()
@@ -220,40 +216,41 @@ def flag(values: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-_INDEXED = re.compile(r"^update_info\.(names|dtype_names|shapes)")
-
-
 def _respell_update(error: APIError, values: dict[str, Any]) -> tuple[APIError, bool]:
-    """A refusal of the round in SGLang's spelling (body.update_info.dtype_names[0] ->
-    body.dtypes[0]; a refusal of the whole chunk names the list or the tensor at fault),
-    and whether the engine left the group. It does when the chunk cannot be sized (the
-    sender is then out of step with it: lists of other lengths or types, an unknown
-    dtype); a chunk the model cannot take (names, shapes) is drained instead and the
-    group stays usable."""
-    param, message = error.param, error.message
-    if error.status != 400 or not param or not param.startswith("body.update_info"):
+    """A refusal of the round (already in SGLang's names where UPDATE declares them), and
+    whether the engine left the group: it does when it cannot size the chunk (the sender
+    is then out of step with it: a list refused, or lists of other lengths); a chunk the
+    model cannot take (names, shapes) is drained instead and the group stays usable."""
+    if error.status != 400 or not error.param:
         return error, False
-    rest = param[len("body.") :]
-    indexed = _INDEXED.match(rest)
-    unsized = bool(indexed) or "differ in length" in message
-    if indexed:
-        theirs = _UPDATE_KEYS[indexed.group(1)]
-        param = f"body.{theirs}{rest[indexed.end() :]}"
-        message = _INDEXED.sub(theirs, message, count=1)
-    else:  # the chunk as a whole: lengths that differ, or a tensor the model cannot take
-        param = _chunk_param(message, values)
-        message = message.removeprefix("update_info: ")
-    message = message.replace("dtype_names", "dtypes")
-    return APIError(error.status, message, param), unsized
+    if error.param.split("[")[0] in ("body.names", "body.dtypes", "body.shapes"):
+        return error, True
+    if error.param != "body.update_info":
+        return error, False
+    message = error.message.removeprefix("update_info: ")
+    short = _short_list(values)
+    if short is not None:  # the chunk's lists differ in length: name the one at fault
+        return APIError(error.status, message.replace("dtype_names", "dtypes"), short), True
+    return APIError(error.status, message, _tensor_param(message, values)), False
 
 
-def _chunk_param(message: str, values: dict[str, Any]) -> str:
-    names, dtypes, shapes = (values.get(k) for k in ("names", "dtypes", "shapes"))
-    if "differ in length" in message and isinstance(names, list):
-        for key, other in (("dtypes", dtypes), ("shapes", shapes)):
-            if isinstance(other, list) and len(other) != len(names):
-                return f"body.{key}"
-        return "body.names"
+def _short_list(values: dict[str, Any]) -> str | None:
+    """The list (SGLang's name) whose length differs from `names`, read from the request."""
+    names = values.get("names")
+    if not isinstance(names, list):
+        return None
+    for key in ("dtypes", "shapes"):
+        other = values.get(key)
+        if isinstance(other, list) and len(other) != len(names):
+            return f"body.{key}"
+    return None
+
+
+def _tensor_param(message: str, values: dict[str, Any]) -> str:
+    """The entry of a tensor the model cannot take. The engine names only update_info for
+    it (weight_sync.py: `targets.check` knows the tensor and the field, its refusal does
+    not carry them), so the tensor is found by name in the refusal's text until it does."""
+    names = values.get("names")
     if isinstance(names, list):  # "weights: shape mismatch for 'x': ..." names the tensor
         for i, name in enumerate(names):
             if isinstance(name, str) and repr(name) in message:

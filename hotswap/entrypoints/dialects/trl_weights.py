@@ -36,26 +36,31 @@ from hotswap.engine.errors import EngineDeadError, EngineStateError
 from hotswap.entrypoints.errors import APIError, bad_request
 from hotswap.entrypoints.limits import off_loop
 from hotswap.entrypoints.state import get_engine, get_server_config
-from hotswap.entrypoints.verb_routes import VerbRoute, call_route, call_verb, route_args
+from hotswap.entrypoints.verb_routes import (
+    VerbRoute,
+    call_route,
+    call_verb,
+    info_backend,
+    route_args,
+)
 from hotswap.weight_transfer.base import ParamMeta, metas_to_update_info
+from hotswap.weight_transfer.infos import BROADCAST_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-BROADCAST_BACKENDS = ("gloo", "nccl")
 # How long /init_communicator/ waits for the engine to refuse the group at once (a port in
 # use, an address not allowed) before answering; after that it waits for the trainer.
 QUICK_REFUSAL_S = 0.3
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
-INIT = VerbRoute("/init_communicator/", "init_weight_transfer_engine")
+# init_info's fields in TRL's wire names (for refusals of them).
+INIT = VerbRoute(
+    "/init_communicator/",
+    "init_weight_transfer_engine",
+    sources={"init_info.master_address": "host", "init_info.master_port": "port",
+             "init_info.world_size": "world_size"},
+)  # fmt: skip
 UPDATE = VerbRoute("/update_named_param/", "update_weights")
-
-# The engine's init refusals in TRL's wire names.
-INIT_FIELDS = {
-    "body.init_info.master_address": ("init_info.master_address", "host"),
-    "body.init_info.master_port": ("init_info.master_port", "port"),
-    "body.init_info.world_size": ("init_info.world_size", "world_size"),
-}
 
 
 # -- the session ----------------------------------------------------------------------------
@@ -221,25 +226,14 @@ async def start_init(request: Request, session: TRLSession, init_info: dict[str,
     """Start joining the group: a refusal within QUICK_REFUSAL_S is this call's 400 (in
     TRL's field names); past that the join waits for the trainer behind the answer, as
     TRL joins only once answered."""
-    args = route_args(INIT, {"init_info": init_info})
+    args = route_args(INIT, {"init_info": init_info}, info_backend(request, INIT.verb))
     task = asyncio.create_task(call_route(request, INIT, args))
     done, _ = await asyncio.wait({task}, timeout=QUICK_REFUSAL_S)
     if done:
-        try:
-            task.result()
-        except APIError as e:
-            raise _init_refusal(e) from None
+        task.result()  # its refusal is this call's
     else:
         _run_behind_answer(session, task, "init_communicator", is_init=True)
     session.open = True
-
-
-def _init_refusal(error: APIError) -> APIError:
-    if error.param not in INIT_FIELDS:
-        return error
-    engine_name, wire = INIT_FIELDS[error.param]
-    message = error.message.replace(engine_name, wire, 1)
-    return APIError(error.status, message, f"body.{wire}")
 
 
 # -- one parameter, one round ---------------------------------------------------------------

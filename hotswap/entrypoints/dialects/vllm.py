@@ -16,6 +16,7 @@ from hotswap.entrypoints.verb_routes import (
     VerbRoute,
     add_verb_routes,
     call_route,
+    info_backend,
     json_object,
     route_args,
 )
@@ -181,13 +182,13 @@ async def update_weights(request: Request) -> dict:
     body = await json_object(request, allow_list=True)
     if isinstance(body, dict) and "weight_dir" in body:
         return await update_weights_from_dir(request, body)
-    chunks = []
+    chunks, backend = [], info_backend(request, UPDATE_WEIGHTS.verb)
     for item in body if isinstance(body, list) else [body]:
         if not isinstance(item, dict):
             raise bad_request("body: must be a JSON object or a list of them", "body")
         info = item.get("update_info")
         for one in info if isinstance(info, list) and info else [info]:
-            chunks.append(route_args(UPDATE_WEIGHTS, {"update_info": one}))
+            chunks.append(route_args(UPDATE_WEIGHTS, {"update_info": one}, backend))
     for chunk in chunks:
         await call_route(request, UPDATE_WEIGHTS, chunk)
     return {"message": "Weights updated"}
