@@ -28,7 +28,7 @@ generate: venv
 
 # The whole suite (what CI runs); `make test-fast` skips the tests marked slow.
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"

@@ -31,6 +31,7 @@ LAYERS = {
     "hotswap.default_model": 0,
     "hotswap.config": 0,
     "hotswap.engine_args": 0,
+    "hotswap.msgspec_errors": 0,
     "hotswap.weight_transfer.config": 0,
     "hotswap.errors": 0,
     "hotswap.structured_output": 0,

@@ -24,6 +24,15 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from hotswap.engine.errors import InvalidArgument
+from hotswap.msgspec_errors import (
+    MISSING,
+    SEGMENT,
+    UNKNOWN,
+    WORDS,
+    shown,
+    split_error,
+    unwrapped,
+)
 
 PauseMode = Literal["abort", "wait", "keep"]
 SleepTag = Literal["weights", "kv_cache", "scheduling"]
@@ -310,34 +319,28 @@ def _convert(name: str, value: Any, field_type: Any, lax: bool) -> Any:
         if nested is not None:
             raise nested from None
         raise InvalidArgument(name, f"{name}: must be {_describe(field_type)}, got "
-                              f"{_shown(value)} ({e})") from None  # fmt: skip
-
-
-_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
-_SEGMENT = re.compile(r"\[[0-9]+\]|\.\w+")
-_MISSING = re.compile(r"^Object missing required field `(\w+)`$")
-_UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$", re.DOTALL)
+                              f"{shown(value)} ({e})") from None  # fmt: skip
 
 
 def _nested_refusal(name: str, field_type: Any, error: str) -> InvalidArgument | None:
     """The refusal of a field inside a struct the argument holds, named by its path
     (`tensors[3].data`, from msgspec's `... - at `$[3].data``); None when the argument or
     a plain list's element is at fault (`tags` stays `tags`)."""
-    at = _AT.match(error)
+    at = split_error(error)
     if at is None:
         return None
-    what, path = at.group("what"), at.group("path")
-    segments = _SEGMENT.findall(path)
+    what, path = at
+    segments = SEGMENT.findall(path)
     if "".join(segments) != path:  # a dict's key: not a path of fields
         return None
-    missing, unknown = _MISSING.match(what), _UNKNOWN.match(what)
+    missing, unknown = MISSING.match(what), UNKNOWN.match(what)
     if missing is not None:
         field = f"{name}{path}.{missing.group(1)}"
         return InvalidArgument(field, f"{field}: required")
     if unknown is not None:
         key = unknown.group(1)
         field = f"{name}{path}" + (f".{key}" if re.fullmatch(r"\w{1,64}", key) else "")
-        return InvalidArgument(field, f"{field}: no such field ({_shown(key)} is unknown)")
+        return InvalidArgument(field, f"{field}: no such field ({shown(key)} is unknown)")
     last = max((i for i, s in enumerate(segments) if s.startswith(".")), default=None)
     if last is None:
         return None
@@ -352,28 +355,13 @@ def _nested_refusal(name: str, field_type: Any, error: str) -> InvalidArgument |
 def _type_at(field_type: Any, segments: list[str]) -> Any:
     """The declared type at a path of list indexes and struct fields inside `field_type`."""
     for segment in segments:
-        field_type = _unwrapped(field_type)
+        field_type = unwrapped(field_type)
         if segment.startswith("["):
             field_type = typing.get_args(field_type)[0]
         else:
             fields = {f.name: f.type for f in msgspec.structs.fields(field_type)}
             field_type = fields[segment[1:]]
     return field_type
-
-
-def _unwrapped(field_type: Any) -> Any:
-    """`field_type` without Annotated metadata or an optional None."""
-    while True:
-        origin, parts = typing.get_origin(field_type), typing.get_args(field_type)
-        if origin is Annotated:
-            field_type = parts[0]
-        elif origin in (typing.Union, types.UnionType) and type(None) in parts:
-            rest = [p for p in parts if p is not type(None)]
-            if len(rest) != 1:
-                return field_type
-            field_type = rest[0]
-        else:
-            return field_type
 
 
 def _describe(field_type: Any) -> str:
@@ -389,11 +377,4 @@ def _describe(field_type: Any) -> str:
         return " or ".join(named) + (" or null" if type(None) in parts else "")
     if origin is list:
         return f"a list of {_describe(parts[0]) if parts else 'values'}"
-    return {bool: "a boolean", int: "an integer", str: "a string", float: "a number"}.get(
-        field_type, getattr(field_type, "__name__", str(field_type))
-    )
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return WORDS.get(field_type, getattr(field_type, "__name__", str(field_type)))

@@ -27,7 +27,7 @@ from torch import nn
 from hotswap.engine.double_buffer import ShadowWeights, fits
 from hotswap.engine.errors import EngineStateError
 from hotswap.engine.verbs import InlineTensor
-from hotswap.engine.weight_targets import WeightTargets
+from hotswap.engine.weight_targets import WeightTargets, claimed_entry
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
@@ -149,7 +149,8 @@ class WeightSync:
                 self.transfer, self.round = None, None
             raise
         checkpoint = self.round.is_checkpoint_format
-        problems = [p[1] for m in metas if (p := self.targets.check(m, checkpoint)) is not None]
+        problems = [(i, p) for i, m in enumerate(metas)
+                    if (p := self.targets.check(m, checkpoint)) is not None]  # fmt: skip
         if problems:  # drained into scratch memory: never over a buffer staged earlier
             self.transfer.allocate = _fresh(self.device)
         try:
@@ -160,7 +161,8 @@ class WeightSync:
                     _drain(self.transfer.receive_weights(update_info, metas))
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 # What the chunk's update_info claims does not fit the model.
-                raise InvalidArgument("update_info", problems[0] + more)
+                index, (what, why) = problems[0]
+                raise InvalidArgument(claimed_entry(update_info, what, index), why + more)
             if self.shadow is not None:
                 self._receive_into_shadow(update_info, metas)
             else:  # items are as the checked metas describe (the backend contract)

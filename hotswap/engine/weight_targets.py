@@ -88,3 +88,19 @@ class WeightTargets:
                 f"weights: the round does not cover every weight (missing weights for "
                 f"{shown}); nothing was applied",
             )
+
+
+# The update_info list holding each part of a tensor's meta (vLLM's keys: TensorsInfo).
+_META_LISTS = {"name": "names", "shape": "shapes", "dtype": "dtype_names"}
+
+
+def claimed_entry(update_info: dict[str, Any], what: str, index: int) -> str:
+    """The field of `update_info` that claimed the `what` (name, shape, dtype) of its
+    `index`-th tensor, where the backend's info lists its tensors (else update_info)."""
+    key = _META_LISTS[what]
+    listed = update_info.get(key)
+    return (
+        f"update_info.{key}[{index}]"
+        if isinstance(listed, list) and index < len(listed)
+        else "update_info"
+    )

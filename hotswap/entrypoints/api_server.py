@@ -19,6 +19,7 @@ from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.dialects.areal import areal_router
 from hotswap.entrypoints.dialects.pipelinerl import pipelinerl_router
 from hotswap.entrypoints.dialects.prime_rl import prime_rl_router
+from hotswap.entrypoints.dialects.sessions import DialectSessions
 from hotswap.entrypoints.dialects.sglang import sglang_router
 from hotswap.entrypoints.dialects.sglang_admin import sglang_admin_router
 from hotswap.entrypoints.dialects.sglang_generate import sglang_generate_router
@@ -60,6 +61,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.engine = engine
     app.state.server_config = config
     app.state.metrics = ServerMetrics(config.served_model_name)
+    app.state.dialect_sessions = DialectSessions()  # the dialects' weight-plane sessions
     install_error_handlers(app)
     app.add_middleware(
         HTTPGuard, max_body_bytes=config.max_request_body_bytes, api_key=config.api_key

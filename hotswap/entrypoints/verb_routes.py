@@ -63,7 +63,8 @@ class VerbRoute:
     # of that field, or of anything inside it, names the wire's field.
     names: Mapping[str, str] = field(default_factory=dict)
     # The wire field a refusal of a verb field (a path) names where `translate` built that
-    # field from others (master_port from PipelineRL's init method); beside `names`.
+    # field from others (master_port from PipelineRL's init method); beside `names`. The
+    # wire field is named whole: a path inside the verb's field means nothing on the wire.
     sources: Mapping[str, str] = field(default_factory=dict)
     # Dialect-specific reshaping of the wire values into the verb's arguments (after
     # renaming); raises InvalidArgument with the wire name for values only it refuses.
@@ -213,6 +214,8 @@ def _refusal(route: VerbRoute, error: InvalidArgument) -> APIError:
             head = path
             break
     wire, rest = wire_names.get(head, head), field[len(head) :]
+    if head in route.sources:  # built from a wire field of another shape: name it whole
+        rest = ""
     message = str(error)
     if wire != head and message.startswith(f"{head}{rest}:"):
         message = wire + message[len(head) :]

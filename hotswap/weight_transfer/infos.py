@@ -15,13 +15,13 @@ reads keys of its own. A leaf beside `config.py`: msgspec only, no torch.
 
 from __future__ import annotations
 
-import re
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
 from hotswap.errors import InvalidArgument
+from hotswap.msgspec_errors import MISSING, SEGMENT, WORDS, shown, split_error, unwrapped
 
 # The backends that receive over a torch.distributed group, the form every RL framework's
 # broadcast trainer (SGLang's, AReaL's, PipelineRL's, TRL's) needs.
@@ -244,26 +244,20 @@ def parse_info(cls: type[InfoT], value: object, field: str) -> InfoT:
     return info
 
 
-_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
-_SEGMENT = re.compile(r"\[[0-9]+\]|\.\w+")
-_MISSING = re.compile(r"^Object missing required field `(\w+)`$")
-
-
 def _refusal(cls: type[Info], value: object, field: str, error: str) -> InvalidArgument:
-    at = _AT.match(error)
-    what, path = (at.group("what"), at.group("path")) if at else (error, "")
-    missing = _MISSING.match(what)
+    what, path = split_error(error) or (error, "")
+    missing = MISSING.match(what)
     if missing is not None:
         return _refused(field, f"{path}.{missing.group(1)}", "required")
     if not path:  # the info itself: not an object
         return InvalidArgument(field or None, f"{field or 'body'}: must be a JSON object")
-    segments, (described, refused), sent = _entry(cls, value, _SEGMENT.findall(path))
+    segments, (described, refused), sent = _entry(cls, value, SEGMENT.findall(path))
     where = "".join(segments)
     if described is None:
         return _refused(field, where, what)
     if refused:
-        return _refused(field, where, f"{refused} {_shown(sent)}; must be {described}")
-    return _refused(field, where, f"must be {described}, got {_shown(sent)} ({what})")
+        return _refused(field, where, f"{refused} {shown(sent)}; must be {described}")
+    return _refused(field, where, f"must be {described}, got {shown(sent)} ({what})")
 
 
 def _refused(field: str, path: str, why: str) -> InvalidArgument:
@@ -282,7 +276,7 @@ def _entry(
     field_type: Any = cls
     kept: tuple[int, tuple[str | None, str | None], object] = (0, (None, None), value)
     for i, segment in enumerate(segments):
-        field_type = _unwrapped(field_type)
+        field_type = unwrapped(field_type)
         if segment.startswith("."):
             field_type = {f.name: f.type for f in msgspec.structs.fields(field_type)}[segment[1:]]
             value = value.get(segment[1:]) if isinstance(value, dict) else None
@@ -290,28 +284,13 @@ def _entry(
             field_type = typing.get_args(field_type)[0]
             index = int(segment[1:-1])
             value = value[index] if isinstance(value, list) and index < len(value) else None
-        declared, plain = _description(field_type), _unwrapped(field_type)
+        declared, plain = _description(field_type), unwrapped(field_type)
         is_struct = isinstance(plain, type) and issubclass(plain, msgspec.Struct)
         if segment.startswith(".") or is_struct or declared[0] is not None:
             kept = (i + 1, declared, value)
-        if kept[0] == i + 1 and declared[0] is None and plain in _WORDS:
-            kept = (i + 1, (_WORDS[plain], None), value)
+        if kept[0] == i + 1 and declared[0] is None and plain in WORDS:
+            kept = (i + 1, (WORDS[plain], None), value)
     return segments[: kept[0]], kept[1], kept[2]
-
-
-def _unwrapped(field_type: Any) -> Any:
-    """Without Annotated metadata and an optional None."""
-    while True:
-        origin, parts = typing.get_origin(field_type), typing.get_args(field_type)
-        if origin is Annotated:
-            field_type = parts[0]
-        elif origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
-            rest = [p for p in parts if p is not type(None)]
-            if len(rest) != 1:
-                return field_type
-            field_type = rest[0]
-        else:
-            return field_type
 
 
 def _description(field_type: Any) -> tuple[str | None, str | None]:
@@ -322,11 +301,3 @@ def _description(field_type: Any) -> tuple[str | None, str | None]:
             if metas and metas[0].description:
                 return metas[0].description, (metas[0].extra or {}).get("refused")
     return None, None
-
-
-_WORDS = {bool: "a boolean", int: "an integer", str: "a string", float: "a number"}
-
-
-def _shown(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

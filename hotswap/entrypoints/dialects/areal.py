@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 
+from hotswap.entrypoints.dialects.sessions import dialect_sessions, require_broadcast_backend
 from hotswap.entrypoints.errors import APIError, bad_request
 from hotswap.entrypoints.state import get_engine
 from hotswap.entrypoints.verb_routes import (
@@ -53,23 +53,7 @@ from hotswap.entrypoints.verb_routes import (
     route_info,
     weight_round,
 )
-from hotswap.weight_transfer.infos import BROADCAST_BACKENDS, TensorsInfo
-
-
-@dataclass
-class ArealState:
-    """Per server: the group AReaL initialised, and the meta set for the next update."""
-
-    group_name: str | None = None
-    meta: dict[str, list] | None = None
-
-
-def _state(request: Request) -> ArealState:
-    state = getattr(request.app.state, "areal", None)
-    if state is None:
-        state = request.app.state.areal = ArealState()
-    return state
-
+from hotswap.weight_transfer.infos import TensorsInfo
 
 PAUSE = VerbRoute("/areal_pause_generation", "pause")
 RESUME = VerbRoute("/areal_continue_generation", "resume")
@@ -109,7 +93,14 @@ META = VerbRoute(
     sources={"update_info": "names"},
 )  # fmt: skip
 # The update's chunk is the meta set before it: the engine's refusals of it name `meta`.
-XCCL = VerbRoute("/areal_update_weights_xccl", "update_weights", names={"meta": "update_info"})
+# The update's lists come from the meta set before: a tensor the model cannot take is
+# refused as that meta's.
+XCCL = VerbRoute(
+    "/areal_update_weights_xccl",
+    "update_weights",
+    names={"meta": "update_info"},
+    sources={f"update_info.{key}": "meta" for key in TensorsInfo.LISTS},
+)
 DISK = VerbRoute(
     "/areal_update_weights",
     "load_weights_from_disk",
@@ -142,24 +133,18 @@ async def areal_init_weights_update_group(request: Request) -> dict[str, Any]:
             raise bad_request(f"{name}: required", f"body.{name}")
     _check_backend(request, values.pop("backend"))
     args = route_args(INIT, values, info_backend(request, INIT.verb))
-    state = _state(request)
-    state.group_name = state.meta = None  # the old group goes whatever happens
+    session = dialect_sessions(request).areal
+    session.close()  # the old group (and its meta) goes whatever happens
     await call_route(request, INIT, args)
-    state.group_name = values["group_name"]
+    session.join(values["group_name"])
     return {"success": True, "message": "Weight update group initialized"}
 
 
 def _check_backend(request: Request, backend: object) -> None:
+    require_broadcast_backend(request, "AReaL")
     config = get_engine(request).config.weight_transfer
     if config is None:
         return  # the engine answers: weight transfer is not configured (409)
-    if config.backend not in BROADCAST_BACKENDS:
-        raise APIError(
-            409,
-            f"AReaL broadcasts weights over a process group, but this server receives "
-            f"with the {config.backend!r} backend; start it with --weight-transfer-config "
-            f'\'{{"backend": "nccl"}}\' (or "gloo" on CPU)',
-        )
     if backend != config.backend:
         raise bad_request(f"backend: this server receives over {config.backend!r}, got "
                           f"{backend!r}", "body.backend")  # fmt: skip
@@ -168,21 +153,21 @@ def _check_backend(request: Request, backend: object) -> None:
 @areal_router.post("/areal_set_update_weight_meta")
 async def areal_set_update_weight_meta(request: Request) -> dict[str, Any]:
     values = await read_values(request, META)
-    state = _state(request)
+    session = dialect_sessions(request).areal
     group_name = values.pop("group_name", None)
     meta = route_info(META, TensorsInfo, values)
     if not meta["names"]:
         raise bad_request("names: must list at least one parameter", "body.names")
     if not isinstance(group_name, str):
         raise bad_request("group_name: required, a string", "body.group_name")
-    if state.group_name is None:
+    if not session.is_joined:
         raise APIError(409, "areal_set_update_weight_meta: no weight update group; call "
                        "/areal_init_weights_update_group first")  # fmt: skip
-    if group_name != state.group_name:
+    if group_name != session.group_name:
         raise bad_request(f"group_name: no weight update group named {group_name[:200]!r} "
-                          f"(this server joined {state.group_name!r})",
+                          f"(this server joined {session.group_name!r})",
                           "body.group_name")  # fmt: skip
-    state.meta = meta
+    session.meta = meta
     return {"success": True, "message": "Success"}
 
 
@@ -206,8 +191,8 @@ async def _paused_for(request: Request, route: VerbRoute, update: Callable[[], A
 @areal_router.post("/areal_update_weights_xccl")
 async def areal_update_weights_xccl(request: Request) -> dict[str, Any]:
     await read_values(request, XCCL)
-    state = _state(request)
-    meta, state.meta = state.meta, None  # one update per meta, never a stale one
+    session = dialect_sessions(request).areal
+    meta, session.meta = session.meta, None  # one update per meta, never a stale one
     if meta is None:
         raise APIError(409, "areal_update_weights_xccl: no weight meta; call "
                        "/areal_set_update_weight_meta first")  # fmt: skip

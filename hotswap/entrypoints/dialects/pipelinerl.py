@@ -39,7 +39,6 @@ in pipelinerl/torch_utils.py) on the trainer side instead.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Annotated, Any
 from urllib.parse import urlsplit
@@ -48,15 +47,15 @@ import msgspec
 from fastapi import APIRouter, Request
 
 from hotswap.engine.errors import InvalidArgument
+from hotswap.entrypoints.dialects.sessions import dialect_sessions, require_broadcast_backend
 from hotswap.entrypoints.errors import APIError, bad_request
-from hotswap.entrypoints.state import get_engine
 from hotswap.entrypoints.verb_routes import VerbRoute, call_verb, read_values, weight_round
 from hotswap.weight_transfer.infos import (
-    BROADCAST_BACKENDS,
     DTypeName,
     Info,
     Shape,
     TensorName,
+    TensorsInfo,
     parse_info,
 )
 
@@ -67,6 +66,8 @@ RECEIVE = VerbRoute(
     "/receive_weight_update",
     "update_weights",
     names={"parameters_info": "update_info", "version": "weight_version"},
+    # update_info's lists are built from PipelineRL's one list of parameters.
+    sources={f"update_info.{key}": "parameters_info" for key in TensorsInfo.LISTS},
     ignored=frozenset({"kind", "timestamp"}),
 )
 INIT = VerbRoute(
@@ -134,30 +135,6 @@ def _refused(error: InvalidArgument) -> APIError:
     return bad_request(str(error), f"body.{error.field}" if error.field else "body")
 
 
-def require_broadcast_backend(request: Request, framework: str) -> None:
-    """A 409 unless the server receives over a process group (gloo or nccl): any other
-    backend would read the trainer's calls as something else. Unconfigured: the engine's
-    own refusal says how to configure it."""
-    config = get_engine(request).config.weight_transfer
-    if config is not None and config.backend not in BROADCAST_BACKENDS:
-        raise APIError(
-            409,
-            f"{framework} broadcasts weights over a process group, but this server receives "
-            f"with the {config.backend!r} backend; start it with --weight-transfer-config "
-            f'\'{{"backend": "nccl"}}\' (or "gloo" on CPU)',
-        )
-
-
-def _lock(request: Request) -> asyncio.Lock:
-    """One weight update at a time (as PipelineRL's own server): a second must not resume
-    generation in the middle of the first."""
-    state = request.app.state
-    lock = getattr(state, "pipelinerl_update_lock", None)
-    if lock is None:
-        lock = state.pipelinerl_update_lock = asyncio.Lock()
-    return lock
-
-
 pipelinerl_router = APIRouter()
 
 
@@ -169,7 +146,9 @@ async def receive_weight_update(request: Request) -> dict[str, str]:
     except InvalidArgument as e:
         raise _refused(e) from None
     require_broadcast_backend(request, "PipelineRL")
-    async with _lock(request):
+    # One update at a time (as PipelineRL's own server): a second must not resume
+    # generation in the middle of the first.
+    async with dialect_sessions(request).pipelinerl.lock:
         await call_verb(request, RECEIVE, "pause", mode="keep", clear_cache=False)
         try:
             await weight_round(request, RECEIVE, [update.update_info()],
@@ -206,7 +185,10 @@ async def init_actor_update_group(request: Request) -> dict[str, str]:
     init_info = {"master_address": address, "master_port": port, "world_size": world_size,
                  "rank_offset": rank_offset, "packed": False,
                  "group_name": values.get("group_name", DEFAULT_GROUP)}  # fmt: skip
+    session = dialect_sessions(request).pipelinerl
+    session.close()  # the old group goes whatever happens
     await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
+    session.join(init_info["group_name"])
     return {"status": "ok"}
 
 

@@ -49,7 +49,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from hotswap.engine.errors import EngineStateError
+from hotswap.engine.errors import EngineStateError, InvalidArgument
+from hotswap.entrypoints.dialects.sessions import dialect_sessions, require_broadcast_backend
 from hotswap.entrypoints.errors import APIError, bad_request
 from hotswap.entrypoints.state import get_engine
 from hotswap.entrypoints.verb_routes import (
@@ -61,14 +62,11 @@ from hotswap.entrypoints.verb_routes import (
     route_args,
     weight_round,
 )
-from hotswap.weight_transfer.infos import BROADCAST_BACKENDS
+from hotswap.weight_transfer.infos import TensorsInfo, parse_info
 
 sglang_weights_router = APIRouter()
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
-# The attribute of app.state naming the group this server joined (the front-end's record:
-# a later update naming another group is refused before anything reaches the engine).
-_GROUP_STATE = "sglang_weight_update_group"
 
 # SGLang's fields are init_info's own keys, and update_info's lists under its names: a
 # refusal of init_info.master_port names body.master_port, of update_info.dtype_names[0]
@@ -114,7 +112,7 @@ async def init_weights_update_group(request: Request) -> dict[str, Any]:
         if key in values:
             init_info[key] = _lax_int(values[key], key)
     await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
-    setattr(request.app.state, _GROUP_STATE, group_name)
+    dialect_sessions(request).sglang.join(group_name)
     return {"success": True, "message": "Succeeded to initialize custom process group."}
 
 
@@ -123,17 +121,10 @@ def _check_backend(request: Request, backend: object) -> None:
     NCCL on CUDA. Mapping one onto the other cannot work: the trainer's group and the
     engine's would never meet (their keys and transports differ), so it is refused here
     instead of hanging until the timeout."""
+    require_broadcast_backend(request, "SGLang")
     config = get_engine(request).config
-    transfer = config.weight_transfer
-    if transfer is None:
+    if config.weight_transfer is None:
         return  # the engine answers: weight transfer is not configured (409)
-    if transfer.backend not in BROADCAST_BACKENDS:
-        raise APIError(
-            409,
-            f"init_weights_update_group: this server receives weights with the "
-            f"{transfer.backend!r} backend; SGLang's broadcast group needs one started with "
-            f'--weight-transfer-config \'{{"backend": "gloo"}}\' (or "nccl" on GPUs)',
-        )
     expected = "nccl" if str(config.device).startswith("cuda") else "gloo"
     if backend != expected:
         raise bad_request(
@@ -161,8 +152,9 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
     cache after the commit; abort_all_requests aborts every request first."""
     values = await read_body_fields(request, UPDATE_FIELDS)
     group_name = _group_name(values)
-    joined = getattr(request.app.state, _GROUP_STATE, None)
-    if joined is None:  # also keeps another dialect's channel from receiving SGLang's stream
+    session = dialect_sessions(request).sglang
+    joined = session.group_name
+    if not session.is_joined:  # also keeps another dialect's channel from receiving SGLang's stream
         raise APIError(
             409,
             "update_weights_from_distributed: no weight-update group: create one with "
@@ -181,8 +173,7 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
         )
     flush_cache = flag(values, "flush_cache", True)
     abort_all = flag(values, "abort_all_requests", False)
-    update_info = {path.removeprefix("update_info."): values[theirs]
-                   for theirs, path in UPDATE_NAMES.items() if theirs in values}  # fmt: skip
+    update_info = _update_info(values)
     engine = get_engine(request)
     if abort_all:
         await engine.abort()
@@ -191,7 +182,7 @@ async def update_weights_from_distributed(request: Request) -> dict[str, Any]:
     except APIError as e:
         error, left = _respell_update(e, values)
         if left:
-            setattr(request.app.state, _GROUP_STATE, None)
+            session.fail()
             error.message += (
                 " (the update could not be sized, so the trainer's broadcasts for it cannot "
                 "be received: the group was left; create it again with "
@@ -218,20 +209,33 @@ def flag(values: dict[str, Any], key: str, default: bool) -> bool:
 
 def _respell_update(error: APIError, values: dict[str, Any]) -> tuple[APIError, bool]:
     """A refusal of the round (already in SGLang's names where UPDATE declares them), and
-    whether the engine left the group: it does when it cannot size the chunk (the sender
-    is then out of step with it: a list refused, or lists of other lengths); a chunk the
+    whether the engine left the group: it does when it cannot size the chunk (its lists
+    malformed or of other lengths: the sender is then out of step with it); a chunk the
     model cannot take (names, shapes) is drained instead and the group stays usable."""
     if error.status != 400 or not error.param:
         return error, False
-    if error.param.split("[")[0] in ("body.names", "body.dtypes", "body.shapes"):
-        return error, True
-    if error.param != "body.update_info":
-        return error, False
-    message = error.message.removeprefix("update_info: ")
+    left = not _sizable(values)
     short = _short_list(values)
-    if short is not None:  # the chunk's lists differ in length: name the one at fault
-        return APIError(error.status, message.replace("dtype_names", "dtypes"), short), True
-    return APIError(error.status, message, _tensor_param(message, values)), False
+    if error.param == "body.update_info" and short is not None:  # name the list at fault
+        message = error.message.removeprefix("update_info: ").replace("dtype_names", "dtypes")
+        return APIError(error.status, message, short), left
+    return error, left
+
+
+def _sizable(values: dict[str, Any]) -> bool:
+    """Whether the chunk's lists describe tensors the engine can size: they parse as the
+    broadcast backends' update info, as the engine parses them."""
+    try:
+        parse_info(TensorsInfo, _update_info(values), "update_info")
+    except InvalidArgument:
+        return False
+    return True
+
+
+def _update_info(values: dict[str, Any]) -> dict[str, Any]:
+    """The engine's update_info from SGLang's fields (UPDATE's names)."""
+    return {path.removeprefix("update_info."): values[theirs]
+            for theirs, path in UPDATE_NAMES.items() if theirs in values}  # fmt: skip
 
 
 def _short_list(values: dict[str, Any]) -> str | None:
@@ -244,21 +248,6 @@ def _short_list(values: dict[str, Any]) -> str | None:
         if isinstance(other, list) and len(other) != len(names):
             return f"body.{key}"
     return None
-
-
-def _tensor_param(message: str, values: dict[str, Any]) -> str:
-    """The entry of a tensor the model cannot take. The engine names only update_info for
-    it (weight_sync.py: `targets.check` knows the tensor and the field, its refusal does
-    not carry them), so the tensor is found by name in the refusal's text until it does."""
-    names = values.get("names")
-    if isinstance(names, list):  # "weights: shape mismatch for 'x': ..." names the tensor
-        for i, name in enumerate(names):
-            if isinstance(name, str) and repr(name) in message:
-                key = (
-                    "shapes" if "shape" in message else "dtypes" if "dtype" in message else "names"
-                )
-                return f"body.{key}[{i}]"
-    return "body"
 
 
 # -- /update_weights_from_tensor, /destroy_weights_update_group -------------------------
@@ -328,14 +317,15 @@ async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
     """Leave the group named (refused mid-round: 409); a later init joins a new one."""
     values = await read_body_fields(request, DESTROY_FIELDS)
     group_name = _group_name(values)
-    joined = getattr(request.app.state, _GROUP_STATE, None)
-    if joined is not None and group_name != joined:
+    session = dialect_sessions(request).sglang
+    joined = session.group_name
+    if session.is_joined and group_name != joined:
         raise bad_request(
             f"group_name: this server is in the weight-update group {joined!r}, not {group_name!r}",
             "body.group_name",
         )
     left = await get_engine(request).call("leave_weight_transfer")
-    setattr(request.app.state, _GROUP_STATE, None)
+    session.close()
     message = f"left {group_name!r}" if left else "no weight-update group to leave"
     return {"success": True, "message": message}
 

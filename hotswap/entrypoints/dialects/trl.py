@@ -140,7 +140,7 @@ async def init_communicator(body: InitCommunicatorRequest, request: Request) -> 
     engine is waiting for it (TRL joins after the answer)."""
     check_unknown_fields(request, body)
     engine = get_engine(request)
-    check_transfer_config(engine)
+    check_transfer_config(request)
     if not 1 <= body.port <= 65535:
         raise bad_request(f"port: must be in [1, 65535], got {body.port}", "body.port")
     session = trl_session(request)
@@ -162,7 +162,7 @@ async def update_named_param(body: UpdateNamedParamRequest, request: Request) ->
     session = trl_session(request)
     async with session.lock:
         await raise_deferred_failure(session)
-        if not session.open:
+        if not session.is_joined:
             raise APIError(409, "update_named_param: no communicator; call /init_communicator/ "
                                 "first")  # fmt: skip
         await check_against_model(session, engine, meta)
@@ -191,9 +191,9 @@ async def close_communicator(request: Request) -> dict[str, str]:
         await cancel_init(session, engine)
         joining = session.pending is not None and session.pending.is_init
         failure = await settle(session)
-        if session.open:
+        if session.is_joined:
             await leave_group(engine)
-        session.open = False
+        session.close()
         if failure is not None and not joining:  # an init's failure: nothing was lost
             raise failure
     return {"message": "Request received, closing communicator"}

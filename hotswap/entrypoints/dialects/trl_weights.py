@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +32,12 @@ from fastapi import Request
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.errors import EngineDeadError, EngineStateError
+from hotswap.entrypoints.dialects.sessions import (
+    PendingWork,
+    TRLSession,
+    dialect_sessions,
+    require_broadcast_backend,
+)
 from hotswap.entrypoints.errors import APIError, bad_request
 from hotswap.entrypoints.limits import off_loop
 from hotswap.entrypoints.state import get_engine, get_server_config
@@ -44,7 +49,6 @@ from hotswap.entrypoints.verb_routes import (
     route_args,
 )
 from hotswap.weight_transfer.base import ParamMeta, metas_to_update_info
-from hotswap.weight_transfer.infos import BROADCAST_BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -63,33 +67,9 @@ INIT = VerbRoute(
 UPDATE = VerbRoute("/update_named_param/", "update_weights")
 
 
-# -- the session ----------------------------------------------------------------------------
-@dataclass
-class PendingWork:
-    """Work running behind an answer: an init waiting for the trainer, or one parameter's
-    receive and commit."""
-
-    task: asyncio.Task[Any]
-    what: str
-    is_init: bool
-
-
-class TRLSession:
-    """The TRL weight plane of one app: one call at a time, in arrival order."""
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.pending: PendingWork | None = None
-        self.open = False  # a communicator was set up (and not closed or broken since)
-        self.model: torch.nn.Module | None = None  # on the meta device: names and shapes
-
-
+# -- the session (dialects/sessions.py: TRLSession) -----------------------------------------
 def trl_session(request: Request) -> TRLSession:
-    state = request.app.state
-    session = getattr(state, "trl_session", None)
-    if session is None:
-        session = state.trl_session = TRLSession()
-    return session
+    return dialect_sessions(request).trl
 
 
 def _run_behind_answer(
@@ -116,7 +96,7 @@ async def settle(session: TRLSession) -> APIError | None:
     except Exception as e:  # noqa: BLE001 - reported to the next call
         refused = isinstance(e, APIError) and e.status == 400 and not pending.is_init
         if not refused:  # the channel is gone (a refused parameter leaves it in step)
-            session.open = False
+            session.fail()
         return _deferred(pending.what, e)
     return None
 
@@ -157,20 +137,15 @@ async def leave_group(engine: AsyncLLM) -> None:
 
 
 # -- the communicator -----------------------------------------------------------------------
-def check_transfer_config(engine: AsyncLLM) -> None:
-    config = engine.config.weight_transfer
+def check_transfer_config(request: Request) -> None:
+    config = get_engine(request).config.weight_transfer
     if config is None:
         raise APIError(
             409,
             "weight transfer is not configured: start the server with "
             '--weight-transfer-config \'{"backend": "gloo"}\' (or nccl)',
         )
-    if config.backend not in BROADCAST_BACKENDS:
-        raise APIError(
-            409,
-            f"TRL's communicator is a broadcast group: the server's weight transfer backend "
-            f"is {config.backend!r}, not gloo or nccl",
-        )
+    require_broadcast_backend(request, "TRL")
     if config.require_complete:
         raise APIError(
             409,
@@ -187,9 +162,9 @@ async def drop_communicator(session: TRLSession, engine: AsyncLLM) -> None:
     earlier = await settle(session)
     if earlier is not None:
         logger.warning("TRL /init_communicator/ replaces a failed one: %s", earlier.message)
-    if session.open:
+    if session.is_joined:
         await leave_group(engine)
-    session.open = False
+    session.close()
 
 
 async def check_world_size(engine: AsyncLLM, world_size: int) -> None:
@@ -233,7 +208,7 @@ async def start_init(request: Request, session: TRLSession, init_info: dict[str,
         task.result()  # its refusal is this call's
     else:
         _run_behind_answer(session, task, "init_communicator", is_init=True)
-    session.open = True
+    session.join()
 
 
 # -- one parameter, one round ---------------------------------------------------------------

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 
 from hotswap.engine.errors import InvalidArgument
 from hotswap.entrypoints.dialects.prime_rl import update_weights_from_dir
+from hotswap.entrypoints.dialects.sessions import dialect_sessions
 from hotswap.entrypoints.errors import bad_request
 from hotswap.entrypoints.state import get_engine
 from hotswap.entrypoints.verb_routes import (
@@ -219,10 +220,11 @@ async def weight_checker(request: Request) -> dict:
     if action not in WEIGHT_CHECKER_ACTIONS:
         raise bad_request(f"action: must be one of {', '.join(WEIGHT_CHECKER_ACTIONS)}, "
                           f"got {action!r}"[:300], "body.action")  # fmt: skip
+    checker = dialect_sessions(request).weight_checker
     if action == "reset":
-        request.app.state.weight_snapshot = None
+        checker.baseline = None
         return {"status": "reset"}
-    baseline = body.get("baseline", getattr(request.app.state, "weight_snapshot", None))
+    baseline = body.get("baseline", checker.baseline)
     if action == "compare" and not isinstance(baseline, dict):
         raise bad_request("baseline: compare needs a checksums object (or a snapshot first)",
                           "body.baseline")  # fmt: skip
@@ -230,7 +232,7 @@ async def weight_checker(request: Request) -> dict:
     if action == "checksum":
         return {"checksums": checksums}
     if action == "snapshot":
-        request.app.state.weight_snapshot = checksums
+        checker.baseline = checksums
         return {"status": "snapshotted", "n_tensors": len(checksums)}
     mismatches = sorted(k for k in checksums.keys() | baseline.keys()
                         if checksums.get(k) != baseline.get(k))  # fmt: skip

@@ -1,0 +1,47 @@
+"""Reading msgspec's validation errors: the path inside a value at which a field was
+refused, and types in words. The verb table (engine/verbs.py) and the transfer infos
+(weight_transfer/infos.py) both name a refused field by its path (`tensors[3].data`,
+`update_info.shapes[2]`) from these, so the two never disagree on how."""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from typing import Annotated, Any
+
+# msgspec's "<what> - at `$<path>`", the path a run of `[index]` and `.field` segments.
+_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
+SEGMENT = re.compile(r"\[[0-9]+\]|\.\w+")
+MISSING = re.compile(r"^Object missing required field `(\w+)`$")
+UNKNOWN = re.compile(r"^Object contains unknown field `(.*)`$", re.DOTALL)
+
+WORDS = {bool: "a boolean", int: "an integer", str: "a string", float: "a number"}
+
+
+def split_error(error: str) -> tuple[str, str] | None:
+    """(what was wrong, the path it was wrong at: "" for the value itself), or None when
+    msgspec named no path."""
+    at = _AT.match(error)
+    return None if at is None else (at.group("what"), at.group("path"))
+
+
+def unwrapped(field_type: Any) -> Any:
+    """`field_type` without Annotated metadata or an optional None."""
+    while True:
+        origin, parts = typing.get_origin(field_type), typing.get_args(field_type)
+        if origin is Annotated:
+            field_type = parts[0]
+        elif origin in (typing.Union, types.UnionType) and type(None) in parts:
+            rest = [p for p in parts if p is not type(None)]
+            if len(rest) != 1:
+                return field_type
+            field_type = rest[0]
+        else:
+            return field_type
+
+
+def shown(value: object) -> str:
+    """A value as a refusal quotes it: its repr, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
