@@ -8,7 +8,9 @@ from __future__ import annotations
 import re
 import types
 import typing
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 # msgspec's "<what> - at `$<path>`", the path a run of `[index]` and `.field` segments.
 _AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
@@ -45,3 +47,31 @@ def shown(value: object) -> str:
     """A value as a refusal quotes it: its repr, cut to 80 characters."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def type_at(field_type: Any, segments: list[str]) -> Any:
+    """The declared type at a path of list indexes and struct fields inside `field_type`."""
+    for segment in segments:
+        field_type = unwrapped(field_type)
+        if segment.startswith("["):
+            field_type = typing.get_args(field_type)[0]
+        else:
+            fields = {f.name: f.type for f in msgspec.structs.fields(field_type)}
+            field_type = fields[segment[1:]]
+    return field_type
+
+
+def describe(field_type: Any) -> str:
+    """What a field accepts, in words, from its declared type."""
+    origin, parts = typing.get_origin(field_type), typing.get_args(field_type)
+    if origin is Annotated:
+        meta = [m for m in parts[1:] if isinstance(m, msgspec.Meta) and m.description]
+        return meta[0].description if meta else describe(parts[0])
+    if origin is Literal:
+        return "one of " + ", ".join(str(p) for p in parts)
+    if origin in (typing.Union, types.UnionType):
+        named = [describe(p) for p in parts if p is not type(None)]
+        return " or ".join(named) + (" or null" if type(None) in parts else "")
+    if origin is list:
+        return f"a list of {describe(parts[0]) if parts else 'values'}"
+    return WORDS.get(field_type, getattr(field_type, "__name__", str(field_type)))

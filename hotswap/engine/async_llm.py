@@ -133,35 +133,14 @@ class AsyncLLM:
         return sum(1 for group in children.values() if group)
 
     # -- control: the verbs' methods (verb_methods.py); parameters are the verbs' ------
-    pause_generation = async_verb_method(
-        "pause",
-        name="pause_generation",
-        doc="Pause as DESIGN §3: returns once the mode's condition holds and every output "
-        "produced before it has reached its stream. Invalid mode: ValueError, no change.",
-    )
+    pause_generation = async_verb_method("pause", name="pause_generation")
     resume_generation = async_verb_method("resume", name="resume_generation")
     is_paused = async_verb_method("is_paused")
-    reset_prefix_cache = async_verb_method(
-        "reset_prefix_cache",
-        doc="Forget cached prefixes (returns how many blocks were cached); with "
-        "`reset_running_requests` running requests recompute their KV too.",
-    )
-    sleep = async_verb_method(
-        "sleep",
-        doc="Pause with `mode`, then level 0 stops scheduling, 1 also frees the KV cache and "
-        "offloads the weights, 2 discards the weights (send or load them after waking).",
-    )
-    wake_up = async_verb_method(
-        "wake_up",
-        doc="Wake `tags` (weights, kv_cache, scheduling; None = all that sleep). Returns "
-        "{is_sleeping, tags_woken}.",
-    )
+    reset_prefix_cache = async_verb_method("reset_prefix_cache")
+    sleep = async_verb_method("sleep")
+    wake_up = async_verb_method("wake_up")
     is_sleeping = async_verb_method("is_sleeping")
-    load_weights_from_disk = async_verb_method(
-        "load_weights_from_disk",
-        doc="Reload all weights from a safetensors directory between two steps (all or "
-        "nothing) and commit a new version; returns {version, label}.",
-    )
+    load_weights_from_disk = async_verb_method("load_weights_from_disk")
 
     # The one control method with a body: it turns tensors into the verb's inline form.
     async def load_weights_inline(
@@ -178,45 +157,16 @@ class AsyncLLM:
         )
 
     # -- weight transfer: the four phases (DESIGN §4) ------------------------------------
-    init_weight_transfer_engine = async_verb_method(
-        "init_weight_transfer_engine",
-        doc="Join the trainer's channel (backend-specific `init_info`); may block until the "
-        "trainer joins too.",
-    )
-    start_weight_update = async_verb_method(
-        "start_weight_update",
-        doc="Open a round: no model step runs until it is finished or aborted.",
-    )
-    update_weights = async_verb_method(
-        "update_weights",
-        doc="Receive one chunk (validated, staged; the model is not touched yet).",
-    )
-    prepare_weight_update = async_verb_method(
-        "prepare_weight_update",
-        doc="Phase one of a commit across engines: refuse now what `finish` would refuse "
-        "(e.g. an incomplete round under `require_complete`), apply nothing; the round stays "
-        "open. Returns the number of staged tensors.",
-    )
-    finish_weight_update = async_verb_method(
-        "finish_weight_update",
-        doc="Apply the staged weights all at once and commit version + 1 labelled "
-        "`weight_version`; `abort=True` drops the round instead. Returns {version, label, "
-        "digest} as of this commit; `digest` (a blake2b of the weights, as `get_weight_info` "
-        "gives) only when asked for, since it reads every weight, otherwise None; with "
-        "`checksum`, also `checksums` (one SHA-256 per tensor, vLLM's).",
-    )
+    init_weight_transfer_engine = async_verb_method("init_weight_transfer_engine")
+    start_weight_update = async_verb_method("start_weight_update")
+    update_weights = async_verb_method("update_weights")
+    prepare_weight_update = async_verb_method("prepare_weight_update")
+    finish_weight_update = async_verb_method("finish_weight_update")
     get_world_size = async_verb_method("get_world_size")
-    get_weight_info = async_verb_method(
-        "get_weight_info", doc="{version, label, digest} of the loaded weights."
-    )
-    update_weight_version = async_verb_method(
-        "update_weight_version",
-        doc="Commit a new weight version (+1) labelled `label`; returns {version, label}.",
-    )
+    get_weight_info = async_verb_method("get_weight_info")
+    update_weight_version = async_verb_method("update_weight_version")
     get_weight_version = async_verb_method("get_weight_version")
-    get_stats = async_verb_method(
-        "get_stats", doc="Queue sizes, KV usage, pause state and weight version of the engine core."
-    )
+    get_stats = async_verb_method("get_stats")
 
     async def collective_rpc(
         self,

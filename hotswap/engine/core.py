@@ -184,9 +184,6 @@ class EngineCore:
     def set_weight_label(self, label: str) -> dict[str, int | str]:
         return self.weight_manager.set_label(label)
 
-    def weights_digest(self) -> str | None:
-        return self.weight_manager.digest()
-
     def weight_checksums(self) -> dict[str, str] | None:
         return self.weight_manager.checksums()
 
@@ -195,14 +192,6 @@ class EngineCore:
 
     def committed_weights(self, digest: bool) -> dict[str, object]:
         return self.weight_manager.committed(digest)
-
-    @property
-    def weight_version(self) -> int:
-        return self.versions.version
-
-    @property
-    def weight_label(self) -> str:
-        return self.versions.label
 
     # -- stats and RPC --------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | float | str]:

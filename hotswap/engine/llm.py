@@ -110,39 +110,18 @@ class LLM:
         return self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
 
     # -- the verbs' methods (verb_methods.py): parameters are the verbs' arguments -------
-    reset_prefix_cache = verb_method(
-        "reset_prefix_cache", doc="Forget cached prefixes; returns how many blocks were cached."
-    )
+    reset_prefix_cache = verb_method("reset_prefix_cache")
 
     # -- weights (DESIGN §4): the four phases, a version label, what is loaded ------------
-    init_weight_transfer_engine = verb_method(
-        "init_weight_transfer_engine", doc="Join the trainer's channel (see AsyncLLM)."
-    )
-    start_weight_update = verb_method("start_weight_update", doc="Open a round (see AsyncLLM).")
-    update_weights = verb_method("update_weights", doc="Receive one chunk (see AsyncLLM).")
-    prepare_weight_update = verb_method(
-        "prepare_weight_update",
-        doc="Check the open round as `finish` would, without applying (see AsyncLLM).",
-    )
-    finish_weight_update = verb_method(
-        "finish_weight_update",
-        doc="Commit the round (see AsyncLLM); returns {version, label, digest} (and "
-        "`checksums` with `checksum`).",
-    )
-    update_weight_version = verb_method(
-        "update_weight_version", doc="Commit a new weight version (+1) labelled `label`."
-    )
-    get_world_size = verb_method(
-        "get_world_size",
-        doc="Receiving workers behind this engine (a broadcast group is this + 1).",
-    )
-    get_weight_info = verb_method(
-        "get_weight_info", doc="{version, label, digest} of the loaded weights."
-    )
-    load_weights_from_disk = verb_method(
-        "load_weights_from_disk",
-        doc="Reload all weights from a safetensors directory (see AsyncLLM).",
-    )
+    init_weight_transfer_engine = verb_method("init_weight_transfer_engine")
+    start_weight_update = verb_method("start_weight_update")
+    update_weights = verb_method("update_weights")
+    prepare_weight_update = verb_method("prepare_weight_update")
+    finish_weight_update = verb_method("finish_weight_update")
+    update_weight_version = verb_method("update_weight_version")
+    get_world_size = verb_method("get_world_size")
+    get_weight_info = verb_method("get_weight_info")
+    load_weights_from_disk = verb_method("load_weights_from_disk")
 
     # A body of its own: it turns tensors into the verb's inline form.
     def load_weights_inline(

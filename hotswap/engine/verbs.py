@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 import functools
 import re
-import types
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -28,10 +27,10 @@ from hotswap.msgspec_errors import (
     MISSING,
     SEGMENT,
     UNKNOWN,
-    WORDS,
+    describe,
     shown,
     split_error,
-    unwrapped,
+    type_at,
 )
 
 PauseMode = Literal["abort", "wait", "keep"]
@@ -84,6 +83,9 @@ class Args(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True
 
 # -- scheduling ------------------------------------------------------------------------------
 class Pause(Args, tag="pause"):
+    """Pause as DESIGN §3: returns once the mode's condition holds and every output
+    produced before it has reached its stream. Invalid mode: refused, no change."""
+
     mode: PauseMode = "abort"
     clear_cache: bool = True
 
@@ -97,20 +99,29 @@ class IsPaused(Args, tag="is_paused"):
 
 
 class ResetPrefixCache(Args, tag="reset_prefix_cache"):
+    """Forget cached prefixes (returns how many blocks were cached); with
+    `reset_running_requests` running requests recompute their KV too."""
+
     reset_running_requests: bool = False
 
 
 class GetStats(Args, tag="get_stats"):
-    pass
+    """Queue sizes, KV usage, pause state and weight version of the engine core."""
 
 
 # -- sleep -----------------------------------------------------------------------------------
 class Sleep(Args, tag="sleep"):
+    """Pause with `mode`, then level 0 stops scheduling, 1 also frees the KV cache and
+    offloads the weights, 2 discards the weights (send or load them after waking)."""
+
     level: Literal[0, 1, 2] = 1
     mode: PauseMode = "abort"
 
 
 class WakeUp(Args, tag="wake_up"):
+    """Wake `tags` (weights, kv_cache, scheduling; None = all that sleep). Returns
+    {is_sleeping, tags_woken}."""
+
     tags: list[SleepTag] | None = None
 
 
@@ -120,6 +131,9 @@ class IsSleeping(Args, tag="is_sleeping"):
 
 # -- weights ---------------------------------------------------------------------------------
 class LoadWeightsFromDisk(Args, tag="load_weights_from_disk"):
+    """Reload all weights from a safetensors directory between two steps (all or
+    nothing) and commit a new version; returns {version, label}."""
+
     model_path: Path
     weight_version: Label | None = None  # the new version's label (default: model_path)
 
@@ -150,6 +164,9 @@ class LoadWeightsInline(Args, tag="load_weights_inline"):
 
 
 class InitWeightTransfer(Args, tag="init_weight_transfer_engine"):
+    """Join the trainer's channel (the configured backend's `init_info`); may block
+    until the trainer joins too."""
+
     init_info: InitInfo  # the backend's init info (as sent: unknown keys travel on)
 
 
@@ -158,18 +175,31 @@ class LeaveWeightTransfer(Args, tag="leave_weight_transfer"):
 
 
 class StartWeightUpdate(Args, tag="start_weight_update"):
+    """Open a round: no model step runs until it is finished or aborted (unless
+    the transfer config receives in flight)."""
+
     is_checkpoint_format: bool = True
 
 
 class UpdateWeights(Args, tag="update_weights"):
+    """Receive one chunk (validated, staged; the model is not touched yet)."""
+
     update_info: UpdateInfo  # the backend's update info (as sent: unknown keys travel on)
 
 
 class PrepareWeightUpdate(Args, tag="prepare_weight_update"):
-    pass
+    """Phase one of a commit across engines: refuse now what `finish` would refuse
+    (e.g. an incomplete round under `require_complete`), apply nothing; the round stays
+    open. Returns the number of staged tensors."""
 
 
 class FinishWeightUpdate(Args, tag="finish_weight_update"):
+    """Apply the staged weights all at once and commit version + 1 labelled
+    `weight_version`; `abort=True` drops the round instead. Returns {version, label,
+    digest} as of this commit: `digest` (a blake2b of the weights, as `get_weight_info`
+    gives) only when asked for, since it reads every weight, otherwise None; with
+    `checksum`, also `checksums` (one SHA-256 per tensor, vLLM's)."""
+
     weight_version: Label | None = None  # the new version's label (default: the current)
     abort: bool = False
     digest: bool = False  # hotswap: a blake2b of every weight, as get_weight_info gives
@@ -181,14 +211,16 @@ class FinishWeightUpdate(Args, tag="finish_weight_update"):
 
 
 class GetWorldSize(Args, tag="get_world_size"):
-    pass
+    """Receiving workers behind this engine (a broadcast group is this + 1)."""
 
 
 class GetWeightInfo(Args, tag="get_weight_info"):
-    pass
+    """{version, label, digest} of the loaded weights."""
 
 
 class UpdateWeightVersion(Args, tag="update_weight_version"):
+    """Commit a new weight version (+1) labelled `label`; returns {version, label}."""
+
     label: Label
 
 
@@ -318,7 +350,7 @@ def _convert(name: str, value: Any, field_type: Any, lax: bool) -> Any:
         nested = _nested_refusal(name, field_type, str(e))
         if nested is not None:
             raise nested from None
-        raise InvalidArgument(name, f"{name}: must be {_describe(field_type)}, got "
+        raise InvalidArgument(name, f"{name}: must be {describe(field_type)}, got "
                               f"{shown(value)} ({e})") from None  # fmt: skip
 
 
@@ -346,35 +378,7 @@ def _nested_refusal(name: str, field_type: Any, error: str) -> InvalidArgument |
         return None
     field = name + "".join(segments[: last + 1])
     where = "".join(segments[last + 1 :])
-    expected = _describe(_type_at(field_type, segments[: last + 1]))
+    expected = describe(type_at(field_type, segments[: last + 1]))
     return InvalidArgument(
         field, f"{field}: must be {expected} ({what}{f' at {field}{where}' if where else ''})"
     )
-
-
-def _type_at(field_type: Any, segments: list[str]) -> Any:
-    """The declared type at a path of list indexes and struct fields inside `field_type`."""
-    for segment in segments:
-        field_type = unwrapped(field_type)
-        if segment.startswith("["):
-            field_type = typing.get_args(field_type)[0]
-        else:
-            fields = {f.name: f.type for f in msgspec.structs.fields(field_type)}
-            field_type = fields[segment[1:]]
-    return field_type
-
-
-def _describe(field_type: Any) -> str:
-    """What a field accepts, in words, from its declared type."""
-    origin, parts = typing.get_origin(field_type), typing.get_args(field_type)
-    if origin is Annotated:
-        meta = [m for m in parts[1:] if isinstance(m, msgspec.Meta) and m.description]
-        return meta[0].description if meta else _describe(parts[0])
-    if origin is Literal:
-        return "one of " + ", ".join(str(p) for p in parts)
-    if origin in (typing.Union, types.UnionType):
-        named = [_describe(p) for p in parts if p is not type(None)]
-        return " or ".join(named) + (" or null" if type(None) in parts else "")
-    if origin is list:
-        return f"a list of {_describe(parts[0]) if parts else 'values'}"
-    return WORDS.get(field_type, getattr(field_type, "__name__", str(field_type)))

@@ -4,6 +4,9 @@ read about the loaded weights (version, label, digest, checksums)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion
 from hotswap.engine.errors import EngineStateError
@@ -61,11 +64,8 @@ class WeightManager:
         between steps, so no step sees a half-loaded model."""
         self._refuse_while_weights_sleep("update_weights_from_disk")
         self.sync.refuse_during_round("update_weights_from_disk")
-        try:
+        with self._missing_if_it_fails():
             self.sync.reload_from_disk(model_dir)
-        except WeightApplyError:
-            self.sleep_state.weights_missing = True
-            raise
         self.sleep_state.weights_missing = False
         return self.commit(label or model_dir)
 
@@ -78,11 +78,8 @@ class WeightManager:
         `max_weight_lag`."""
         self._refuse_while_weights_sleep("load_weights_inline")
         self.sync.refuse_during_round("load_weights_inline")
-        try:
+        with self._missing_if_it_fails():
             staged = self.sync.load_inline(tensors)
-        except WeightApplyError:
-            self.sleep_state.weights_missing = True
-            raise
         if self.sleep_state.weights_missing and self.sync.covers_model(staged, True):
             self.sleep_state.weights_missing = False
         return self.commit(label or self.versions.label)
@@ -106,11 +103,8 @@ class WeightManager:
         KV (`keep`: later tokens are marked stale) or drop it and recompute it under the
         new weights before their next token (`recompute`)."""
         checkpoint = self.sync.round is not None and self.sync.round.is_checkpoint_format
-        try:
+        with self._missing_if_it_fails():
             staged = self.sync.finish(abort)
-        except WeightApplyError:
-            self.sleep_state.weights_missing = True
-            raise
         if staged is None:
             return []
         missing = self.sleep_state.weights_missing
@@ -121,6 +115,15 @@ class WeightManager:
         if (kv_policy or (config.kv_policy if config else "keep")) == "recompute":
             self.scheduler.drop_running_kv()
         return outputs
+
+    @contextlib.contextmanager
+    def _missing_if_it_fails(self) -> Iterator[None]:
+        """A write that fails midway (WeightApplyError) leaves the weights incomplete."""
+        try:
+            yield
+        except WeightApplyError:
+            self.sleep_state.weights_missing = True
+            raise
 
     def _refuse_while_weights_sleep(self, what: str) -> None:
         if WEIGHTS in self.sleep_state.asleep:
@@ -182,7 +185,7 @@ class WeightManager:
 
     def info(self) -> dict[str, object]:
         """{version, label, digest} of the loaded weights (digest None while they sleep)."""
-        return {**self.get_version(), "digest": self.digest()}
+        return self.committed(digest=True)
 
     def committed(self, digest: bool) -> dict[str, object]:
         """The answer to a finish: {version, label, digest}, taken in the same call as the

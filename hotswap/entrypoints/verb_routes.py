@@ -298,3 +298,11 @@ async def weight_round(
         with contextlib.suppress(Exception):
             await get_engine(request).call("finish_weight_update", abort=True)
         raise
+
+
+def decimal_int(value: object) -> object:
+    """An integer from the decimal string some trainers send (AReaL's master_port; SGLang's
+    request model converts such strings); anything else as sent, for validation to refuse."""
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,10}", value.strip()):
+        return int(value)
+    return value

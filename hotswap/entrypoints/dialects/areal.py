@@ -47,6 +47,7 @@ from hotswap.entrypoints.verb_routes import (
     VerbRoute,
     call_route,
     call_verb,
+    decimal_int,
     info_backend,
     read_values,
     route_args,
@@ -65,11 +66,10 @@ def _init_info(values: dict[str, Any]) -> dict[str, Any]:
     """AReaL's spellings as init_info's: master_port as a string, an IPv6 address as a URL
     host ([::1]); the trainer's torch-helper group carries one typed broadcast per tensor."""
     info = dict(values["init_info"])
-    address, port = info["master_address"], info["master_port"]
+    address = info["master_address"]
     if isinstance(address, str):
         info["master_address"] = address.removeprefix("[").removesuffix("]")
-    if isinstance(port, str) and port.isascii() and port.isdigit() and len(port) <= 5:
-        info["master_port"] = int(port)
+    info["master_port"] = decimal_int(info["master_port"])
     return {"init_info": {**info, "packed": False}}
 
 

@@ -44,7 +44,6 @@ the call cannot run in). An update is one whole round (start, receive, commit wi
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -58,6 +57,7 @@ from hotswap.entrypoints.verb_routes import (
     VerbRoute,
     call_route,
     call_verb,
+    decimal_int,
     read_body_fields,
     route_args,
     weight_round,
@@ -110,7 +110,7 @@ async def init_weights_update_group(request: Request) -> dict[str, Any]:
         init_info["master_address"] = address
     for key in ("master_port", "rank_offset", "world_size"):
         if key in values:
-            init_info[key] = _lax_int(values[key], key)
+            init_info[key] = decimal_int(values[key])
     await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
     dialect_sessions(request).sglang.join(group_name)
     return {"success": True, "message": "Succeeded to initialize custom process group."}
@@ -133,14 +133,6 @@ def _check_backend(request: Request, backend: object) -> None:
             f"(got {backend!r})",
             "body.backend",
         )
-
-
-def _lax_int(value: object, key: str) -> object:
-    """An integer, also from the decimal string AReaL sends for master_port (SGLang's
-    request model converts it); anything else goes on as sent, for the engine to refuse."""
-    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,10}", value.strip()):
-        return int(value)
-    return value
 
 
 # -- /update_weights_from_distributed ----------------------------------------------------
