@@ -102,6 +102,17 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA limits: at most `max_loras` distinct adapters in one step (each has a
+    slot in every targeted layer), ranks up to `max_lora_rank`, and at most
+    `max_cpu_loras` adapters loaded at once."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 8
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -125,6 +136,7 @@ class EngineConfig:
     # oneDNN-packed copies of the bf16 linear weights for batches above the GEMV's rows.
     prepack_weights: bool = True
     default_sampling: dict[str, Any] = field(default_factory=dict)  # generation_config
+    lora: LoRAConfig | None = None  # --enable-lora
 
 
 def resolve_model_path(model: str | None) -> Path:

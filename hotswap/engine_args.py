@@ -16,6 +16,7 @@ from hotswap.config import (
     LOGPROBS_MODES,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     allowed_weight_dirs,
@@ -160,6 +161,16 @@ class EngineArgs:
     enable_sleep_mode: bool = arg(
         False, "allow /sleep: offload or drop weights and free the KV cache"
     )
+    enable_lora: bool = arg(
+        False,
+        "serve LoRA adapters (loaded by /v1/load_lora_adapter, "
+        "--lora-modules or a LoRARequest) beside the base model",
+    )
+    max_loras: int = arg(1, "most distinct LoRA adapters in one step")
+    max_lora_rank: int = arg(16, "highest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = arg(
+        None, "most LoRA adapters loaded at once (default: max(8, --max-loras))"
+    )
     # Imported by the engine core at start, never named by a request.
     worker_extension_cls: str | None = arg(
         None,
@@ -207,7 +218,22 @@ class EngineArgs:
             default_sampling=default_sampling(
                 self.generation_config, model_dir, self.override_generation_config
             ),
+            lora=self._lora_config(),
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        check_positive("max_loras", self.max_loras)
+        check_positive("max_lora_rank", self.max_lora_rank)
+        cpu = self.max_cpu_loras if self.max_cpu_loras is not None else max(8, self.max_loras)
+        check_positive("max_cpu_loras", cpu)
+        if cpu < self.max_loras:
+            raise InvalidArgument(
+                "max_cpu_loras",
+                f"max_cpu_loras: {cpu} is smaller than max_loras ({self.max_loras})",
+            )
+        return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
 
     def _head_dtype(self) -> torch.dtype | None:
         if self.lm_head_dtype is None:

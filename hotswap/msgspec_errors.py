@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from hotswap.errors import InvalidArgument
+
 # msgspec's "<what> - at `$<path>`", the path a run of `[index]` and `.field` segments.
 _AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
 SEGMENT = re.compile(r"\[[0-9]+\]|\.\w+")
@@ -75,3 +77,33 @@ def describe(field_type: Any) -> str:
     if origin is list:
         return f"a list of {describe(parts[0]) if parts else 'values'}"
     return WORDS.get(field_type, getattr(field_type, "__name__", str(field_type)))
+
+
+def nested_refusal(name: str, field_type: Any, error: str) -> InvalidArgument | None:
+    """The refusal of a field inside a struct the argument holds, named by its path
+    (`tensors[3].data`, from msgspec's `... - at `$[3].data``); None when the argument or
+    a plain list's element is at fault (`tags` stays `tags`)."""
+    at = split_error(error)
+    if at is None:
+        return None
+    what, path = at
+    segments = SEGMENT.findall(path)
+    if "".join(segments) != path:  # a dict's key: not a path of fields
+        return None
+    missing, unknown = MISSING.match(what), UNKNOWN.match(what)
+    if missing is not None:
+        field = f"{name}{path}.{missing.group(1)}"
+        return InvalidArgument(field, f"{field}: required")
+    if unknown is not None:
+        key = unknown.group(1)
+        field = f"{name}{path}" + (f".{key}" if re.fullmatch(r"\w{1,64}", key) else "")
+        return InvalidArgument(field, f"{field}: no such field ({shown(key)} is unknown)")
+    last = max((i for i, s in enumerate(segments) if s.startswith(".")), default=None)
+    if last is None:
+        return None
+    field = name + "".join(segments[: last + 1])
+    where = "".join(segments[last + 1 :])
+    expected = describe(type_at(field_type, segments[: last + 1]))
+    return InvalidArgument(
+        field, f"{field}: must be {expected} ({what}{f' at {field}{where}' if where else ''})"
+    )

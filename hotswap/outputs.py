@@ -29,6 +29,10 @@ class WeightVersionSpan:
     start: int
     end: int
     stale: bool = False
+    # The LoRA adapter that produced them (None: the base model) and its loaded version
+    # (1 for the first load under that name, +1 per reload).
+    lora_name: str | None = None
+    lora_version: int | None = None
 
 
 @dataclass

@@ -34,6 +34,7 @@ LAYERS = {
     "hotswap.msgspec_errors": 0,
     "hotswap.weight_transfer.config": 0,
     "hotswap.errors": 0,
+    "hotswap.lora_request": 0,
     "hotswap.structured_output": 0,
     "hotswap.generation_config": 0,
     # 1: the model, its loader and sampler

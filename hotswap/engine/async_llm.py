@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
@@ -30,8 +31,9 @@ from hotswap.engine.prompts import (
     prompt_cache_salt,
 )
 from hotswap.engine.verb_methods import async_verb_method
-from hotswap.engine.verbs import Args, make_args
+from hotswap.engine.verbs import Args, make_args, verb_name
 from hotswap.engine_args import EngineArgs
+from hotswap.lora_request import LoadedAdapters, LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -67,6 +69,7 @@ class AsyncLLM:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._finished: collections.Counter[str] = collections.Counter()
+        self._loras = LoadedAdapters()
 
     # -- generation -----------------------------------------------------------------------
     async def generate(
@@ -74,13 +77,19 @@ class AsyncLLM:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative or delta, per `output_kind`). Leaving
-        the loop early, or cancelling the consumer, aborts the request and frees its KV."""
+        the loop early, or cancelling the consumer, aborts the request and frees its KV.
+        `lora_request`: the adapter it runs on, loaded on every engine core when first
+        named (vLLM's)."""
         self._start()
         params = sampling_params or SamplingParams(**self.config.default_sampling)
         request_id = request_id or f"req-{next(self._request_ids)}"
-        stream = self._submit(request_id, prompt, params)
+        if lora_request is not None and self._loras.needs_load(lora_request):
+            await self.load_lora_adapter(lora_request.lora_name, lora_request.lora_path, True)
+        lora_name = lora_request.lora_name if lora_request is not None else None
+        stream = self._submit(request_id, prompt, params, lora_name)
         finished = False
         try:
             while not finished:
@@ -96,7 +105,7 @@ class AsyncLLM:
                 self.client.abort_requests(children)
 
     def _submit(
-        self, request_id: str, prompt: Prompt, params: SamplingParams
+        self, request_id: str, prompt: Prompt, params: SamplingParams, lora_name: str | None
     ) -> asyncio.Queue[RequestOutput | BaseException]:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -116,6 +125,7 @@ class AsyncLLM:
                     self.tokenizer.eos_token_id,
                     time.monotonic(),
                     cache_salt=salt,
+                    lora_name=lora_name,
                 )
             )
         return stream
@@ -141,6 +151,32 @@ class AsyncLLM:
     wake_up = async_verb_method("wake_up")
     is_sleeping = async_verb_method("is_sleeping")
     load_weights_from_disk = async_verb_method("load_weights_from_disk")
+
+    # -- LoRA adapters (what the cores hold is followed in `call_with`) -----------------
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, load_inplace: bool = False
+    ) -> dict[str, Any]:
+        """Load a PEFT adapter under `lora_name` on every engine core (see the verb), in
+        two phases: every core checks and holds it, then all serve it; if any refuses, none
+        does (each keeps what it had)."""
+        try:
+            await self.call("load_lora_adapter", lora_name=lora_name, lora_path=lora_path,
+                            load_inplace=load_inplace, prepare=True)  # fmt: skip
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.call("commit_lora_adapter", lora_name=lora_name, abort=True)
+            raise
+        return await self.call("commit_lora_adapter", lora_name=lora_name)
+
+    unload_lora_adapter = async_verb_method("unload_lora_adapter")
+    list_lora_adapters = async_verb_method("list_lora_adapters")
+
+    @property
+    def loaded_adapters(self) -> dict[str, str]:
+        """The adapters the cores hold, as this front-end saw them loaded, committed by a
+        weight round ("" path) or unloaded: name -> path (what a server lists and accepts
+        as `model`)."""
+        return dict(self._loras.by_name)
 
     # The one control method with a body: it turns tensors into the verb's inline form.
     async def load_weights_inline(
@@ -219,7 +255,9 @@ class AsyncLLM:
         future = self._loop.create_future()
         self._calls[call_id] = future
         self.client.call_utility(UtilityCall(call_id, args))
-        return await future
+        answer = await future
+        self._loras.observe(verb_name(args), args, answer)
+        return answer
 
     def _from_engine(self, batch: EngineCoreOutputs) -> None:
         """Runs on the client's thread: hand the batch to the event loop."""

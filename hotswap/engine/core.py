@@ -23,6 +23,7 @@ import torch
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.lora import LoRAManager
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
 from hotswap.engine.pause import PauseManager
 from hotswap.engine.request_manager import RequestManager
@@ -50,7 +51,13 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config, progress)
         _check_kv_capacity(self.runner.num_blocks, config)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.runner.num_blocks)
+        max_loras = config.lora.max_loras if config.lora is not None else None
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.runner.num_blocks, max_loras
+        )
+        self.loras = LoRAManager(
+            config.lora, self.runner.model, config.model.dtype, config.allowed_weight_dirs
+        )
         self.vocab_size = config.model.vocab_size
         self.versions = WeightVersion()  # +1 per committed update
         self.sleep_state = SleepState()
@@ -63,7 +70,7 @@ class EngineCore:
             config.allowed_weight_dirs,
         )
         runner, scheduler, sleep_state = self.runner, self.scheduler, self.sleep_state
-        self.request_manager = RequestManager(config, scheduler, runner, self.versions)
+        self.request_manager = RequestManager(config, scheduler, runner, self.versions, self.loras)
         self.rpc = WorkerRpc(config, runner)
         self.pause_manager = PauseManager(scheduler, self.request_manager)
         self.sleep_manager = SleepManager(
@@ -167,8 +174,13 @@ class EngineCore:
     def leave_weight_transfer(self) -> bool:
         return self.weight_manager.leave_transfer()
 
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self.weight_manager.start_update(is_checkpoint_format)
+    def start_weight_update(
+        self,
+        is_checkpoint_format: bool = True,
+        lora_name: str | None = None,
+        lora_config: dict | None = None,
+    ) -> None:
+        self.weight_manager.start_update(is_checkpoint_format, lora_name, lora_config)
 
     def finish_weight_update(
         self, label: str | None = None, abort: bool = False, kv_policy: str | None = None

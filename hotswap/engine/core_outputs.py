@@ -24,6 +24,7 @@ class WeightVersion:
 
 def finished_output(request: Request, weights: WeightVersion) -> EngineCoreOutput:
     """The output carrying no new token: a request's finish (or its state so far)."""
+    lora = request.lora
     return EngineCoreOutput(
         request_id=request.request_id,
         new_token_ids=[],
@@ -34,6 +35,8 @@ def finished_output(request: Request, weights: WeightVersion) -> EngineCoreOutpu
         weight_label=weights.label,
         # KV computed under older weights than the committed ones: the token is stale.
         stale=request.kv_version != weights.version,
+        lora_name=lora.name if lora is not None else None,
+        lora_version=lora.version if lora is not None else None,
     )
 
 

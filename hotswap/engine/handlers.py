@@ -55,8 +55,11 @@ def _load_weights_inline(
 def _finish_weight_update(
     core: EngineCore, args: verbs.FinishWeightUpdate, out: Outputs
 ) -> dict[str, Any]:
+    adapter = core.weight_manager.round_adapter()
     out.extend(core.finish_weight_update(args.weight_version, args.abort, args.kv_policy))
     answer = core.committed_weights(args.digest and not args.abort)
+    if adapter is not None and not args.abort:  # the adapter's version, not the weights'
+        answer.update(lora_name=adapter, lora_version=core.loras.adapters[adapter].version)
     if args.checksum and not args.abort:
         answer["checksums"] = core.weight_checksums()
     return answer
@@ -88,6 +91,14 @@ def _get_world_size(core: EngineCore, args: verbs.GetWorldSize, out: Outputs) ->
     return transfer.world_size() if transfer is not None else 1
 
 
+def _load_lora_adapter(
+    core: EngineCore, args: verbs.LoadLoraAdapter, out: Outputs
+) -> dict[str, Any]:
+    in_use = core.request_manager.adapters_in_use()
+    return core.loras.load(args.lora_name, args.lora_path, args.load_inplace, in_use,
+                           args.prepare)  # fmt: skip
+
+
 Handler = Callable[[EngineCore, Any, Outputs], object]
 
 HANDLERS: dict[str, Handler] = {
@@ -106,7 +117,7 @@ HANDLERS: dict[str, Handler] = {
     "init_weight_transfer_engine": lambda core, args, out: core.weight_sync.init(args.init_info),
     "leave_weight_transfer": lambda core, args, out: core.leave_weight_transfer(),
     "start_weight_update": lambda core, args, out: core.start_weight_update(
-        args.is_checkpoint_format
+        args.is_checkpoint_format, args.lora_name, args.lora_config
     ),
     "update_weights": lambda core, args, out: core.weight_sync.update(args.update_info),
     "prepare_weight_update": lambda core, args, out: core.weight_sync.prepare(),
@@ -119,6 +130,12 @@ HANDLERS: dict[str, Handler] = {
     "weight_update_active": lambda core, args, out: core.weight_sync.round_open,
     "collective_rpc": _collective_rpc,
     "get_weight_checksums": lambda core, args, out: core.weight_checksums() or {},
+    "load_lora_adapter": _load_lora_adapter,
+    "commit_lora_adapter": lambda core, args, out: core.loras.commit_pending(
+        args.lora_name, args.abort, core.request_manager.adapters_in_use()
+    ),
+    "unload_lora_adapter": lambda core, args, out: core.loras.unload(args.lora_name),
+    "list_lora_adapters": lambda core, args, out: core.loras.list(),
 }
 
 

@@ -17,12 +17,17 @@ from collections.abc import Sequence
 from hotswap.engine.request import Request
 
 
-def root_hash(weight_version: int, cache_salt: str | None = None) -> bytes:
-    """Chains start from the weight version and the request's salt: KV computed with other
-    weights, or under another salt, never matches."""
+def root_hash(
+    weight_version: int, cache_salt: str | None = None, adapter_uid: int | None = None
+) -> bytes:
+    """Chains start from the weight version, the request's salt and its LoRA adapter's
+    loaded version (`AdapterWeights.uid`, new on every load or reload): KV computed with
+    other weights, under another salt or another adapter never matches."""
     root = b"hotswap-kv-v%d" % weight_version
     if cache_salt is not None:
         root += b"|salt|" + hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()
+    if adapter_uid is not None:
+        root += b"|lora|%d" % adapter_uid
     return root
 
 
@@ -31,8 +36,10 @@ def hash_block(
     token_ids: Sequence[int],
     weight_version: int = 0,
     cache_salt: str | None = None,
+    adapter_uid: int | None = None,
 ) -> bytes:
-    digest = hashlib.blake2b(parent or root_hash(weight_version, cache_salt), digest_size=16)
+    root = parent or root_hash(weight_version, cache_salt, adapter_uid)
+    digest = hashlib.blake2b(root, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
 
@@ -213,7 +220,10 @@ class KVCacheManager:
             start = len(hashes) * size
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[start : start + size]
-            hashes.append(hash_block(parent, tokens, self.weight_version, request.cache_salt))
+            adapter = request.lora.uid if request.lora is not None else None
+            hashes.append(
+                hash_block(parent, tokens, self.weight_version, request.cache_salt, adapter)
+            )
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Blocks whose tokens will all be computed after this step can be shared now: the

@@ -18,6 +18,7 @@ from hotswap.engine.prompts import Prompt, encode_prompt, prepare_params, prompt
 from hotswap.engine.verb_methods import verb_method
 from hotswap.engine.verbs import make_args
 from hotswap.engine_args import EngineArgs
+from hotswap.lora_request import LoadedAdapters, LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -51,6 +52,7 @@ class LLM:
         self.engine = EngineCore(self.config, progress=progress)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._loras = LoadedAdapters()
 
     def generate(
         self,
@@ -58,19 +60,28 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: the adapter every prompt runs on, or one per prompt (None: the
+        base model); loaded when first named (vLLM's)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(
             sampling_params, len(prompt_list), self.config.default_sampling
         )
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        for lora in {id(r): r for r in loras if r is not None}.values():
+            self._ensure_loaded(lora)
         requests = [encode_prompt(self.tokenizer, p) for p in prompt_list]
         salts = [prompt_cache_salt(p) for p in prompt_list]
-        for (_, ids), params in zip(requests, params_list):  # refuse bad input before adding any
-            prepare_params(params, self.tokenizer, self.engine.vocab_size)
-            self.engine.validate_request(EngineCoreRequest("validate", ids, params))
+        names = [r.lora_name if r is not None else None for r in loras]
+        for (_, ids), params, name in zip(requests, params_list, names):
+            prepare_params(params, self.tokenizer, self.engine.vocab_size)  # refuse bad
+            self.engine.validate_request(  # input before adding any
+                EngineCoreRequest("validate", ids, params, lora_name=name)
+            )
         order = []
-        for (text, ids), params, salt in zip(requests, params_list, salts):
-            order.append(self._add(text, ids, params, salt))
+        for (text, ids), params, salt, name in zip(requests, params_list, salts, names):
+            order.append(self._add(text, ids, params, salt, name))
         return self._run(order, use_tqdm)
 
     def chat(
@@ -100,7 +111,9 @@ class LLM:
         flight then, so a pause or sleep completes at once). Refused arguments raise
         InvalidArgument naming the field; outputs the verb produced are discarded (no
         request outlives `generate`)."""
-        result, _ = run_now(self.engine, make_args(verb, arguments))
+        args = make_args(verb, arguments)
+        result, _ = run_now(self.engine, args)
+        self._loras.observe(verb, args, result)
         return result
 
     def collective_rpc(
@@ -123,6 +136,16 @@ class LLM:
     get_weight_info = verb_method("get_weight_info")
     load_weights_from_disk = verb_method("load_weights_from_disk")
 
+    # -- LoRA adapters (what the core holds is followed in `call`) -----------------------
+    load_lora_adapter = verb_method("load_lora_adapter")
+    unload_lora_adapter = verb_method("unload_lora_adapter")
+    list_lora_adapters = verb_method("list_lora_adapters")
+
+    def _ensure_loaded(self, lora: LoRARequest) -> None:
+        if self._loras.needs_load(lora):
+            self.call("load_lora_adapter", lora_name=lora.lora_name, lora_path=lora.lora_path,
+                      load_inplace=True)  # fmt: skip
+
     # A body of its own: it turns tensors into the verb's inline form.
     def load_weights_inline(
         self,
@@ -136,7 +159,12 @@ class LLM:
 
     # -- internals ------------------------------------------------------------------------
     def _add(
-        self, text: str | None, ids: list[int], params: SamplingParams, salt: str | None
+        self,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        salt: str | None,
+        lora_name: str | None = None,
     ) -> str:
         request_id = str(next(self._ids))
         params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -148,6 +176,7 @@ class LLM:
                     child_params,
                     eos_token_id=self.tokenizer.eos_token_id,
                     cache_salt=salt,
+                    lora_name=lora_name,
                 )
             )
         return request_id
@@ -195,3 +224,16 @@ def _as_params_list(
             f"sampling_params: got {len(params)} for {count} prompts; pass one or one per prompt"
         )
     return params
+
+
+def _as_lora_list(
+    lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    loras = list(lora)
+    if len(loras) != count:
+        raise ValueError(
+            f"lora_request: got {len(loras)} for {count} prompts; pass one or one per prompt"
+        )
+    return loras

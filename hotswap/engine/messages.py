@@ -19,6 +19,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     eos_token_id: int | None = None
     arrival_time: float | None = None
     cache_salt: str | None = None
+    lora_name: str | None = None  # a loaded adapter (None: the base model)
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):
@@ -42,6 +43,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     weight_version: int = 0
     weight_label: str = "default"
     stale: bool = False
+    # The LoRA adapter version the request runs on (None: the base model).
+    lora_name: str | None = None
+    lora_version: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -3,6 +3,7 @@ the n choices of a request together and shapes `RequestOutput`s per output kind.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hotswap.detokenizer import IncrementalDetokenizer
@@ -38,11 +39,12 @@ class ChoiceState:
         if start == end:
             return
         last = self.spans[-1] if self.spans else None
-        key = (out.weight_version, out.weight_label, out.stale)
-        if last is not None and (last.version, last.label, last.stale) == key:
+        key = (out.weight_version, out.weight_label, out.stale, out.lora_name, out.lora_version)
+        if last is not None and (last.version, last.label, last.stale, last.lora_name,
+                                 last.lora_version) == key:  # fmt: skip
             last.end = end
         else:
-            self.spans.append(WeightVersionSpan(*key[:2], start, end, out.stale))
+            self.spans.append(WeightVersionSpan(*key[:2], start, end, *key[2:]))
 
 
 @dataclass
@@ -235,8 +237,4 @@ class OutputProcessor:
 
 def _clip_spans(spans: list[WeightVersionSpan], start: int) -> list[WeightVersionSpan]:
     """Copies of the spans covering output tokens from `start` on (indexes stay absolute)."""
-    return [
-        WeightVersionSpan(s.version, s.label, max(s.start, start), s.end, s.stale)
-        for s in spans
-        if s.end > start
-    ]
+    return [dataclasses.replace(s, start=max(s.start, start)) for s in spans if s.end > start]

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from hotswap.model.lora_adapter import AdapterWeights
 from hotswap.sampling_params import SamplingParams
 from hotswap.structured_output import GrammarMatcher
 
@@ -78,6 +79,9 @@ class Request:
         # Structured outputs: the grammar's position, advanced by every appended token
         # (set by the engine core when the request asks for a constraint).
         self.grammar: GrammarMatcher | None = None
+        # The LoRA adapter version it runs on (set by the engine core at admission; None:
+        # the base model). Held to the end, whatever is loaded under its name meanwhile.
+        self.lora: AdapterWeights | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion, finished_output, step_output
+from hotswap.engine.lora import LoRAManager
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
 from hotswap.engine.prompts import check_prompt
 from hotswap.engine.request import Request, RequestStatus
@@ -31,8 +32,10 @@ class RequestManager:
         scheduler: Scheduler,
         runner: ModelRunner,
         weights: WeightVersion,
+        loras: LoRAManager,
     ) -> None:
         self.config = config
+        self.loras = loras
         self.scheduler = scheduler
         self.runner = runner
         self.weights = weights
@@ -45,6 +48,12 @@ class RequestManager:
         if req.request_id in self.scheduler.requests:
             raise InvalidArgument("request_id", f"request_id: {req.request_id!r} is already in use")
         req.sampling_params.check_token_ids(self.vocab_size)
+        if req.lora_name is not None:
+            self.loras.resolve(req.lora_name, self.adapters_in_use())
+
+    def adapters_in_use(self) -> set[int]:
+        """The adapter versions unfinished requests hold."""
+        return {r.lora.uid for r in self.scheduler.requests.values() if r.lora is not None}
 
     def add(self, req: EngineCoreRequest) -> None:
         self.validate(req)
@@ -56,6 +65,7 @@ class RequestManager:
             req.arrival_time,
             req.cache_salt,
         )
+        request.lora = self.loras.resolve(req.lora_name, self.adapters_in_use())
         constraint = req.sampling_params.structured_outputs
         if constraint is not None:
             request.grammar = self.grammars.matcher(constraint, req.eos_token_id)

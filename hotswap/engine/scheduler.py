@@ -52,8 +52,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_loras: int | None = None,
+    ) -> None:
         self.config = config
+        self.max_loras = max_loras  # distinct adapters among running requests (LoRA)
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
@@ -170,14 +177,17 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
+        adapters = self.running_adapters()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self._may_admit(request):
+            if not self._may_admit(request) or not self._adapter_fits(request, adapters):
                 skipped.append(self.waiting.popleft())
                 continue
             num_new = self._admit(request, budget)
             if num_new == 0:
                 break
+            if request.lora is not None:
+                adapters.add(request.lora.uid)
             self.waiting.popleft()
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
@@ -190,6 +200,16 @@ class Scheduler:
         # Under PAUSED_NEW a preempted request was already running: it must be able to
         # finish, or a pause in `wait` mode would never complete.
         return request.status == RequestStatus.PREEMPTED
+
+    def running_adapters(self) -> set[int]:
+        return {r.lora.uid for r in self.running if r.lora is not None}
+
+    def _adapter_fits(self, request: Request, adapters: set[int]) -> bool:
+        """At most `max_loras` distinct adapters run at once (each needs a slot); a request
+        whose adapter has none waits, as in vLLM."""
+        if request.lora is None or self.max_loras is None or request.lora.uid in adapters:
+            return True
+        return len(adapters) < self.max_loras
 
     def _admit(self, request: Request, budget: int) -> int:
         """Allocate blocks for the request's first chunk; 0 if it cannot start now."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import re
 import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -23,15 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from hotswap.engine.errors import InvalidArgument
-from hotswap.msgspec_errors import (
-    MISSING,
-    SEGMENT,
-    UNKNOWN,
-    describe,
-    shown,
-    split_error,
-    type_at,
-)
+from hotswap.msgspec_errors import describe, nested_refusal, shown
 
 PauseMode = Literal["abort", "wait", "keep"]
 SleepTag = Literal["weights", "kv_cache", "scheduling"]
@@ -176,9 +167,14 @@ class LeaveWeightTransfer(Args, tag="leave_weight_transfer"):
 
 class StartWeightUpdate(Args, tag="start_weight_update"):
     """Open a round: no model step runs until it is finished or aborted (unless
-    the transfer config receives in flight)."""
+    the transfer config receives in flight). With `lora_name`, the round sends that LoRA
+    adapter's PEFT tensors instead (only those sent change; steps go on meanwhile) and
+    its commit is the adapter's next version; `lora_config` (adapter_config.json's r,
+    lora_alpha, target_modules...) declares a new adapter, which the round sends whole."""
 
     is_checkpoint_format: bool = True
+    lora_name: Name | None = None
+    lora_config: JSONObject | None = None
 
 
 class UpdateWeights(Args, tag="update_weights"):
@@ -242,6 +238,40 @@ class GetWeightChecksums(Args, tag="get_weight_checksums"):
     """vLLM's per-tensor SHA-256 checksums of the loaded weights (its weight checker)."""
 
 
+# -- LoRA adapters -------------------------------------------------------------------------
+class LoadLoraAdapter(Args, tag="load_lora_adapter"):
+    """Load the PEFT adapter in `lora_path` (adapter_config.json and
+    adapter_model.safetensors, inside the allowed weight directories) under `lora_name`;
+    `load_inplace` replaces one already loaded under that name (requests running on it
+    finish on the version they started with). Returns {lora_name, lora_path, version,
+    rank}."""
+
+    lora_name: Name
+    lora_path: Path
+    load_inplace: bool = False
+    # hotswap: check everything and hold the adapter aside until commit_lora_adapter, so
+    # that DP ranks switch together (one rank's refusal aborts the load everywhere)
+    prepare: bool = False
+
+
+class CommitLoraAdapter(Args, tag="commit_lora_adapter"):
+    """Serve the adapter a `load_lora_adapter(prepare=True)` held aside (or drop it,
+    `abort`); returns its description (None when aborted)."""
+
+    lora_name: Name
+    abort: bool = False
+
+
+class UnloadLoraAdapter(Args, tag="unload_lora_adapter"):
+    """Forget the adapter named `lora_name` (requests running on it finish first)."""
+
+    lora_name: Name
+
+
+class ListLoraAdapters(Args, tag="list_lora_adapters"):
+    """The loaded adapters: [{lora_name, lora_path, version, rank}]."""
+
+
 # -- the worker extension --------------------------------------------------------------------
 class CollectiveRpc(Args, tag="collective_rpc"):
     """Call a public method of the worker extension named at start (worker.py) on every
@@ -298,6 +328,10 @@ VERBS: dict[str, Verb] = {
         Verb(UpdateWeightLabel),
         Verb(WeightUpdateActive, Merge.ANY),
         Verb(GetWeightChecksums, Merge.UNION),
+        Verb(LoadLoraAdapter),
+        Verb(CommitLoraAdapter),
+        Verb(UnloadLoraAdapter),
+        Verb(ListLoraAdapters),
         # It may touch the weights: it waits behind a transfer, like a round's phases.
         Verb(CollectiveRpc, Merge.PER_RANK, behind_channel=True),
     )
@@ -347,38 +381,8 @@ def _convert(name: str, value: Any, field_type: Any, lax: bool) -> Any:
     try:
         return msgspec.convert(value, field_type, strict=not lax)
     except msgspec.ValidationError as e:
-        nested = _nested_refusal(name, field_type, str(e))
+        nested = nested_refusal(name, field_type, str(e))
         if nested is not None:
             raise nested from None
         raise InvalidArgument(name, f"{name}: must be {describe(field_type)}, got "
                               f"{shown(value)} ({e})") from None  # fmt: skip
-
-
-def _nested_refusal(name: str, field_type: Any, error: str) -> InvalidArgument | None:
-    """The refusal of a field inside a struct the argument holds, named by its path
-    (`tensors[3].data`, from msgspec's `... - at `$[3].data``); None when the argument or
-    a plain list's element is at fault (`tags` stays `tags`)."""
-    at = split_error(error)
-    if at is None:
-        return None
-    what, path = at
-    segments = SEGMENT.findall(path)
-    if "".join(segments) != path:  # a dict's key: not a path of fields
-        return None
-    missing, unknown = MISSING.match(what), UNKNOWN.match(what)
-    if missing is not None:
-        field = f"{name}{path}.{missing.group(1)}"
-        return InvalidArgument(field, f"{field}: required")
-    if unknown is not None:
-        key = unknown.group(1)
-        field = f"{name}{path}" + (f".{key}" if re.fullmatch(r"\w{1,64}", key) else "")
-        return InvalidArgument(field, f"{field}: no such field ({shown(key)} is unknown)")
-    last = max((i for i, s in enumerate(segments) if s.startswith(".")), default=None)
-    if last is None:
-        return None
-    field = name + "".join(segments[: last + 1])
-    where = "".join(segments[last + 1 :])
-    expected = describe(type_at(field_type, segments[: last + 1]))
-    return InvalidArgument(
-        field, f"{field}: must be {expected} ({what}{f' at {field}{where}' if where else ''})"
-    )

@@ -16,8 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,30 +26,16 @@ from torch import nn
 from hotswap.engine.double_buffer import ShadowWeights, fits
 from hotswap.engine.errors import EngineStateError
 from hotswap.engine.verbs import InlineTensor
+from hotswap.engine.weight_round import Round, WeightApplyError, drain, fresh_allocator
 from hotswap.engine.weight_targets import WeightTargets, claimed_entry
 from hotswap.errors import InvalidArgument
+from hotswap.model.lora_stage import AdapterStage
 from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
 from hotswap.weight_transfer.config import WeightTransferConfig
 from hotswap.weight_transfer.engine import WeightTransferEngine
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Round:
-    is_checkpoint_format: bool
-    # When a call last touched the round: a round idle past the round timeout is aborted.
-    last_call: float = field(default_factory=time.monotonic)
-    staged: dict[str, torch.Tensor] = field(default_factory=dict)
-    deltas: list[tuple[str, Delta]] = field(default_factory=list)  # applied after `staged`
-    in_shadow: bool = False  # written into the double buffer: the commit is a swap
-
-
-class WeightApplyError(RuntimeError):
-    """Writing a validated stage into the model failed midway (not expected: shapes and
-    dtypes were checked). The weights are then incomplete and no step runs until a
-    complete round or a reload succeeds."""
 
 
 class WeightSync:
@@ -114,7 +99,11 @@ class WeightSync:
             self.transfer.shutdown()
         self.transfer = engine
 
-    def start(self, is_checkpoint_format: object = True) -> None:
+    def start(
+        self, is_checkpoint_format: object = True, adapter: AdapterStage | None = None
+    ) -> None:
+        """Open a round into the model's weights, or into `adapter` (a LoRA adapter's
+        stage: its PEFT tensors, committed as a new adapter version)."""
         config = self._require_config()
         if not isinstance(is_checkpoint_format, bool):
             raise InvalidArgument("is_checkpoint_format", "is_checkpoint_format: must be a boolean")
@@ -130,7 +119,8 @@ class WeightSync:
             self.init({})
         assert self.transfer is not None
         self.transfer.start_weight_update()
-        self.round = Round(is_checkpoint_format)
+        targets = self.targets if adapter is None else WeightTargets(adapter)
+        self.round = Round(is_checkpoint_format, targets)
 
     def update(self, update_info: object) -> int:
         """Receive one chunk into the stage; returns how many tensors it held."""
@@ -150,20 +140,20 @@ class WeightSync:
             raise
         checkpoint = self.round.is_checkpoint_format
         problems = [(i, p) for i, m in enumerate(metas)
-                    if (p := self.targets.check(m, checkpoint)) is not None]  # fmt: skip
+                    if (p := self.round.targets.check(m, checkpoint)) is not None]  # fmt: skip
         if problems:  # drained into scratch memory: never over a buffer staged earlier
-            self.transfer.allocate = _fresh(self.device)
+            self.transfer.allocate = fresh_allocator(self.device)
         try:
             if problems:
                 # Keep the channel in step with the sender; what the sender claimed (a
                 # shape, a name) is the error to report, not what draining it ran into.
                 with contextlib.suppress(ValueError):
-                    _drain(self.transfer.receive_weights(update_info, metas))
+                    drain(self.transfer.receive_weights(update_info, metas))
                 more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                 # What the chunk's update_info claims does not fit the model.
                 index, (what, why) = problems[0]
                 raise InvalidArgument(claimed_entry(update_info, what, index), why + more)
-            if self.shadow is not None:
+            if self.shadow is not None and self.round.adapter is None:
                 self._receive_into_shadow(update_info, metas)
             else:  # items are as the checked metas describe (the backend contract)
                 for name, item in self.transfer.receive_weights(update_info, metas):
@@ -217,8 +207,9 @@ class WeightSync:
         without applying; the round stays open. Returns how many tensors are staged."""
         if self.round is None:
             raise EngineStateError("prepare_weight_update: no round is open")
-        if self.config is not None and self.config.require_complete:
-            self.targets.check_complete(set(self.round.staged), self.round.is_checkpoint_format)
+        if self.round.must_be_complete(self.config):
+            self.round.targets.check_complete(set(self.round.staged),
+                                              self.round.is_checkpoint_format)  # fmt: skip
         # The commit follows: the round must not expire between the two phases.
         self.round.last_call = time.monotonic()
         return len(self.round.staged) + len(self.round.deltas)
@@ -235,8 +226,8 @@ class WeightSync:
             logger.info("weight update round aborted by the caller")
             self._discard(round_)
             return None
-        if self.config is not None and self.config.require_complete:
-            self.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
+        if round_.must_be_complete(self.config):
+            round_.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
         self._apply(round_)
         return round_.staged
 
@@ -249,7 +240,7 @@ class WeightSync:
         if self.round_open:
             raise EngineStateError("update_weights_from_disk: a round is open; finish it first")
         configured, self.transfer = self.transfer, self._confined(DiskEngine(self.device))
-        self.round = Round(is_checkpoint_format=True)
+        self.round = Round(True, self.targets)
         try:
             self.update({"model_path": model_dir})
             round_, self.round = self.round, None
@@ -274,7 +265,7 @@ class WeightSync:
             raise EngineStateError("load_weights_inline: a round is open; finish it first")
         info = {ARGUMENT: tensors}
         configured, self.transfer = self.transfer, InlineEngine(self.device)
-        self.round = Round(is_checkpoint_format=True)
+        self.round = Round(True, self.targets)
         try:
             metas = self.transfer.parse_update_info(info)
             for i, meta in enumerate(metas):
@@ -352,15 +343,16 @@ class WeightSync:
         if round_.in_shadow and self.shadow is not None:
             self.shadow.swap()
             return
+        model = round_.targets.model
         try:
             if round_.is_checkpoint_format:
-                self.model.load_weights(round_.staged.items())
+                model.load_weights(round_.staged.items())
             else:
-                params = self.model.parameter_index()
+                params = model.parameter_index()
                 for name, tensor in round_.staged.items():
                     params[name].copy_(tensor)
             for name, delta in round_.deltas:
-                target = self.targets.target(name, round_.is_checkpoint_format)
+                target = round_.targets.target(name, round_.is_checkpoint_format)
                 if target is not None:
                     flat = target[1].view(-1)  # checkpoint views are contiguous row ranges
                     flat[delta.indices] = delta.values.to(flat.dtype)
@@ -383,12 +375,3 @@ class WeightSync:
             f"was aborted, the engine keeps its previous weights; call "
             f"init_weight_transfer_engine again"
         ) from error
-
-
-def _fresh(device: torch.device):  # noqa: ANN202 - an Allocator
-    return lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device)
-
-
-def _drain(items: Iterator[tuple[str, torch.Tensor]]) -> None:
-    for _ in items:
-        pass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion
@@ -16,6 +17,8 @@ from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sleep import WEIGHTS, SleepState
 from hotswap.engine.verbs import InlineTensor
 from hotswap.engine.weight_sync import WeightApplyError, WeightSync
+from hotswap.errors import InvalidArgument
+from hotswap.model.lora_stage import AdapterStage
 from hotswap.model.runner import ModelRunner
 
 
@@ -55,7 +58,9 @@ class WeightManager:
         """An open round stops generation unless it is received in flight (beside the
         steps, on the committed weights, switched at `finish` between two steps)."""
         sync = self.sync
-        return sync.round_open and not (sync.config is not None and sync.config.in_flight)
+        if sync.round is None or sync.round.adapter is not None:
+            return False  # an adapter's round is received beside the served versions
+        return not (sync.config is not None and sync.config.in_flight)
 
     # -- writes ---------------------------------------------------------------------------
     def load_from_disk(self, model_dir: str, label: str | None = None) -> list[EngineCoreOutput]:
@@ -91,9 +96,27 @@ class WeightManager:
         self.sync.drop_transfer()
         return had
 
-    def start_update(self, is_checkpoint_format: bool = True) -> None:
+    def start_update(
+        self,
+        is_checkpoint_format: bool = True,
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
+    ) -> None:
+        """Open a round into the model's weights, or, with `lora_name`, into that LoRA
+        adapter (its PEFT tensors; `lora_config` declares a new one)."""
         self._refuse_while_weights_sleep("start_weight_update")
-        self.sync.start(is_checkpoint_format)
+        if lora_name is None:
+            if lora_config is not None:
+                raise InvalidArgument("lora_config", "lora_config: needs lora_name")
+            self.sync.start(is_checkpoint_format)
+            return
+        if not is_checkpoint_format:
+            raise InvalidArgument("is_checkpoint_format", "is_checkpoint_format: an adapter's "
+                                  "round sends its PEFT tensors (checkpoint format)")  # fmt: skip
+        self.sync.refuse_during_round("start_weight_update")
+        loras = self.requests.loras
+        stage = loras.open_stage(lora_name, lora_config, self.requests.adapters_in_use())
+        self.sync.start(True, stage)
 
     def finish_update(
         self, label: str | None = None, abort: bool = False, kv_policy: str | None = None
@@ -103,6 +126,9 @@ class WeightManager:
         KV (`keep`: later tokens are marked stale) or drop it and recompute it under the
         new weights before their next token (`recompute`)."""
         checkpoint = self.sync.round is not None and self.sync.round.is_checkpoint_format
+        stage = self.sync.round.adapter if self.sync.round is not None else None
+        if stage is not None:
+            return [] if self.sync.finish(abort) is None else self._commit_adapter(stage)
         with self._missing_if_it_fails():
             staged = self.sync.finish(abort)
         if staged is None:
@@ -115,6 +141,31 @@ class WeightManager:
         if (kv_policy or (config.kv_policy if config else "keep")) == "recompute":
             self.scheduler.drop_running_kv()
         return outputs
+
+    def _commit_adapter(self, stage: AdapterStage) -> list[EngineCoreOutput]:
+        """The adapter's next version from the round (the base weights' version does not
+        move); requests on it lagging more than their `max_weight_lag` adapter versions
+        behind are aborted (the staleness bound, per adapter)."""
+        try:
+            adapter = self.requests.loras.commit_stage(stage, self.requests.adapters_in_use())
+        except InvalidArgument as e:
+            raise InvalidArgument(None, f"finish_weight_update: {e}; nothing was applied") from None
+        lagging = {}
+        for request in self.scheduler.requests.values():
+            limit, held = request.sampling_params.max_weight_lag, request.lora
+            if limit is None or held is None or held.name != adapter.name:
+                continue
+            if adapter.version - held.version > limit:
+                lagging[request.request_id] = (
+                    f"max_weight_lag: runs on version {held.version} of adapter "
+                    f"{adapter.name!r}, now at {adapter.version} (limit {limit})"
+                )
+        return self.requests.abort(lagging, reasons=lagging)
+
+    def round_adapter(self) -> str | None:
+        """The adapter the open round writes into (None: the weights, or no round)."""
+        round_ = self.sync.round
+        return round_.adapter.name if round_ is not None and round_.adapter is not None else None
 
     @contextlib.contextmanager
     def _missing_if_it_fails(self) -> Iterator[None]:

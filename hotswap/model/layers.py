@@ -89,11 +89,15 @@ class Linear(nn.Module):
         # set by the runner when its kernels apply / weights are prepacked
         self.matvec: MatVec | None = None
         self.packed: PackedWeight | None = None
+        # adapter slots (model/lora.py LinearLoRA), set by the runner with --enable-lora
+        self.lora: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
-            return tiled_linear(x, self.weight, self.bias)
-        return linear(x, self.weight, self.bias, self.matvec, self.packed)
+            out = tiled_linear(x, self.weight, self.bias)
+        else:
+            out = linear(x, self.weight, self.bias, self.matvec, self.packed)
+        return out if self.lora is None else self.lora.add_to(x, out)
 
 
 class RMSNorm(nn.Module):

@@ -22,6 +22,7 @@ from hotswap.model.compiled import CompiledDecode, compilation_available
 from hotswap.model.host_memory import return_freed_memory, reuse_freed_memory
 from hotswap.model.kernels import CpuKernels
 from hotswap.model.loader import build_model
+from hotswap.model.lora import ModelLoRA
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
 from hotswap.model.residency import WeightResidency
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs, top_logprobs
@@ -80,6 +81,7 @@ class ModelRunner:
             config.model, self.backend, config.batch_invariant, progress, self.device
         )
         self.model.use_kernels(self.kernels)
+        self.lora = self._attach_lora()
         self.packed: list[PackedWeight] = self._prepack() if config.prepack_weights else []
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
@@ -91,6 +93,13 @@ class ModelRunner:
         rank_seed = (config.model.seed + 0x9E3779B1 * config.data_parallel_rank) % 2**32
         self.sampler = Sampler(rank_seed, config.logprobs_mode)
         self.residency = WeightResidency(self.model)
+
+    def _attach_lora(self) -> ModelLoRA | None:
+        lora = self.config.lora
+        if lora is None:
+            return None
+        return ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank,
+                         self.config.batch_invariant)  # fmt: skip
 
     def _prepack(self) -> list[PackedWeight]:
         """Packed copies of the bf16 linear weights, if the fast CPU path runs and the
@@ -194,12 +203,21 @@ class ModelRunner:
     # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> RunnerOutput:
-        # Decode rows first, by context length: they then form contiguous attention groups.
-        items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, s.start))
+        # Decode rows first, by context length: they then form contiguous attention groups;
+        # with adapters, each adapter's rows next to each other (model/lora.py segments).
+        items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, _adapter_key(s),
+                                                      s.start))  # fmt: skip
         inputs = self._prepare(items)
+        if self.lora is None:
+            return self._run(items, inputs, compiled=True)
+        with self.lora.step([(s.request.lora, s.num_tokens) for s in items]) as adapted:
+            # the compiled graphs were traced without adapters: adapter steps run eagerly
+            return self._run(items, inputs, compiled=not adapted)
+
+    def _run(self, items: list[ScheduledChunk], inputs: StepInputs, compiled: bool) -> RunnerOutput:
         out = RunnerOutput()
         sampling = [s.request for s in items if s.samples]
-        logits = self._compiled_logits(items, inputs)
+        logits = self._compiled_logits(items, inputs) if compiled else None
         if logits is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             if inputs.prompt_rows.rows:
@@ -288,6 +306,11 @@ class ModelRunner:
             ),  # fmt: skip
             prompt_rows=prompt_rows,
         )
+
+
+def _adapter_key(item: ScheduledChunk) -> int:
+    lora = item.request.lora
+    return -1 if lora is None else lora.uid
 
 
 def _plan_prompt_rows(

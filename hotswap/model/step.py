@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from hotswap.model.lora_adapter import AdapterWeights
 from hotswap.sampling_params import SamplingParams
 from hotswap.structured_output import GrammarMatcher
 
@@ -47,6 +48,8 @@ class StepRequest(SamplingRequest, Protocol):
     def prompt_logprobs(self) -> list: ...
     @property
     def needs_prompt_logprobs(self) -> bool: ...
+    @property
+    def lora(self) -> AdapterWeights | None: ...
 
 
 class ScheduledChunk(Protocol):

@@ -24,6 +24,7 @@ from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import Prompt
 from hotswap.engine.verb_methods import async_verb_method
 from hotswap.errors import InvalidArgument
+from hotswap.lora_request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.ray.transfer import OBJECT, deliver
 from hotswap.sampling_params import SamplingParams
@@ -61,10 +62,12 @@ class EngineActor:
         prompt: Prompt,
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
-        """The request's final output."""
+        """The request's final output (on `lora_request`'s adapter, if given)."""
         final = None
-        async for output in self.llm.generate(prompt, _params(sampling_params), request_id):
+        params = _params(sampling_params)
+        async for output in self.llm.generate(prompt, params, request_id, lora_request):
             final = output  # cumulative outputs: the last one holds everything
         assert final is not None
         return final
@@ -73,6 +76,7 @@ class EngineActor:
         self,
         prompts: list[Prompt],
         sampling_params: SamplingParams | dict[str, Any] | list[Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Final outputs of several requests run together (batched by the scheduler), in
         order; `sampling_params` is one for all or one per prompt."""
@@ -82,16 +86,20 @@ class EngineActor:
                 "sampling_params", "sampling_params: one for all prompts or one per prompt"
             )
         params = params * len(prompts) if len(params) == 1 else params
-        return await asyncio.gather(*(self.generate(p, s) for p, s in zip(prompts, params)))
+        return await asyncio.gather(
+            *(self.generate(p, s, None, lora_request) for p, s in zip(prompts, params))
+        )
 
     async def generate_stream(
         self,
         prompt: Prompt,
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Each output as the engine produces it (a Ray streaming generator)."""
-        async for output in self.llm.generate(prompt, _params(sampling_params), request_id):
+        params = _params(sampling_params)
+        async for output in self.llm.generate(prompt, params, request_id, lora_request):
             yield output
 
     async def front_end_stats(self) -> dict[str, Any]:
@@ -129,6 +137,15 @@ class EngineActor:
     finish_weight_update = async_verb_method("finish_weight_update")
     get_world_size = async_verb_method("get_world_size")
     get_weight_info = async_verb_method("get_weight_info")
+
+    # LoRA adapters (a group loads on every actor in two phases: RayEngineGroup)
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, load_inplace: bool = False
+    ) -> dict[str, Any]:
+        return await self.llm.load_lora_adapter(lora_name, lora_path, load_inplace)
+
+    unload_lora_adapter = async_verb_method("unload_lora_adapter")
+    list_lora_adapters = async_verb_method("list_lora_adapters")
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -9,6 +9,7 @@ on every other engine, which keep serving their previous weights."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,6 +19,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from hotswap.engine.verb_methods import verb_method
+from hotswap.lora_request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.rl.engine_group import EngineGroup
 from hotswap.sampling_params import SamplingParams
@@ -118,17 +120,42 @@ class RayEngineGroup(EngineGroup):
         futures = [self._calls.submit(c.get, ref) for c, ref in zip(self.clients, refs)]
         return [f.result() for f in futures]
 
+    def load_lora_adapter(
+        self, lora_name: str, lora_path: str, load_inplace: bool = False
+    ) -> list[Any]:
+        """Load an adapter on every engine in two phases: each checks and holds it, then
+        all serve it; if any refuses, the load is dropped everywhere (each engine keeps
+        what it had) and the refusal raised. The engines' answers, in order."""
+        try:
+            self.call("load_lora_adapter", lora_name=lora_name, lora_path=lora_path,
+                      load_inplace=load_inplace, prepare=True)  # fmt: skip
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.call("commit_lora_adapter", lora_name=lora_name, abort=True)
+            raise
+        return self.call("commit_lora_adapter", lora_name=lora_name)
+
+    def unload_lora_adapter(self, lora_name: str) -> list[Any]:
+        return self.call("unload_lora_adapter", lora_name=lora_name)
+
     def generate(
         self,
         prompts: Sequence[Any],
         sampling_params: SamplingParams | dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Final outputs in prompt order; prompts are dealt out to the engines in turn and
-        each engine runs its share as one batch."""
+        each engine runs its share as one batch (on `lora_request`'s adapter, if given)."""
         shares: list[list[int]] = [list(range(i, len(prompts), len(self.clients)))
                                    for i in range(len(self.clients))]  # fmt: skip
         work = [
-            (c, share, c.actor.generate_many.remote([prompts[i] for i in share], sampling_params))
+            (
+                c,
+                share,
+                c.actor.generate_many.remote(
+                    [prompts[i] for i in share], sampling_params, lora_request
+                ),
+            )  # fmt: skip
             for c, share in zip(self.clients, shares)
             if share
         ]

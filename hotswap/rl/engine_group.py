@@ -81,9 +81,16 @@ class EngineGroup:
         if failed:
             raise EngineGroupError("init_weight_transfer_engine", failed, self.names)
 
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
+    def start_weight_update(
+        self,
+        is_checkpoint_format: bool = True,
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
+    ) -> None:
+        adapter = {"lora_name": lora_name, "lora_config": lora_config} if lora_name else {}
         failed = self._on_all(
-            "start_weight_update", lambda c, i: c.start_weight_update(is_checkpoint_format)
+            "start_weight_update",
+            lambda c, i: c.start_weight_update(is_checkpoint_format, **adapter),
         )
         if failed:  # abort everywhere: a lost reply may hide a round that did open
             self._abort(range(len(self.clients)))

@@ -24,6 +24,10 @@ class CommittedWeights:
     digest: str | None = None
     # vLLM's per-tensor SHA-256 checksums, keyed by rank and name, when asked for (`checksum`)
     checksums: dict[str, str] | None = None
+    # A round into a LoRA adapter: its name and the adapter version committed (the one
+    # the outputs' spans name in `lora_version`); `version` is then the weights' own.
+    lora_name: str | None = None
+    lora_version: int | None = None
 
     @classmethod
     def from_answer(cls, answer: dict[str, Any]) -> CommittedWeights:
@@ -36,7 +40,8 @@ class CommittedWeights:
                                   f"{answer!r}")  # fmt: skip
         checksums = answer.get("checksums")
         return cls(version, label, digest if isinstance(digest, str) else None,
-                   checksums if isinstance(checksums, dict) else None)  # fmt: skip
+                   checksums if isinstance(checksums, dict) else None,
+                   answer.get("lora_name"), answer.get("lora_version"))  # fmt: skip
 
 
 def committed(answer: Any, arguments: Mapping[str, Any]) -> CommittedWeights | None:
@@ -122,8 +127,14 @@ class VerbClient:
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._verb("init_weight_transfer_engine", init_info=init_info)
 
-    def start_weight_update(self, is_checkpoint_format: bool = True) -> None:
-        self._verb("start_weight_update", is_checkpoint_format=is_checkpoint_format)
+    def start_weight_update(
+        self,
+        is_checkpoint_format: bool = True,
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
+    ) -> None:
+        adapter = {"lora_name": lora_name, "lora_config": lora_config} if lora_name else {}
+        self._verb("start_weight_update", is_checkpoint_format=is_checkpoint_format, **adapter)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._verb("update_weights", update_info=update_info)

@@ -53,8 +53,12 @@ class TrainerWeightTransferEngine(ABC):
         *,
         digest: bool = False,
         kv_policy: str | None = None,
+        lora_name: str | None = None,
+        lora_config: dict[str, Any] | None = None,
     ) -> Committed | None:
-        """One full round; returns what the engine committed: `CommittedWeights(version,
+        """One full round (with `lora_name`: into that LoRA adapter, the source holding its
+        PEFT tensors; `lora_config` declares a new one, see hotswap.rl.lora); returns what
+        the engine committed: `CommittedWeights(version,
         label, digest)` (the digest only with `digest=True`: the engine then hashes its new
         weights, ~0.3 s for the default model), a `GroupCommittedWeights` for an
         `EngineGroup`, None on ranks other than 0. `kv_policy` ("keep" or "recompute")
@@ -66,8 +70,9 @@ class TrainerWeightTransferEngine(ABC):
         metas, tensors = checked_items(self.source)
         if not self.is_sender:
             return None
+        adapter = {"lora_name": lora_name, "lora_config": lora_config} if lora_name else {}
         return self.run_round(
-            lambda: self.send_round(metas, tensors), weight_version, digest, kv_policy
+            lambda: self.send_round(metas, tensors), weight_version, digest, kv_policy, adapter
         )
 
     def run_round(
@@ -76,11 +81,15 @@ class TrainerWeightTransferEngine(ABC):
         weight_version: str | None,
         digest: bool = False,
         kv_policy: str | None = None,
+        adapter: dict[str, Any] | None = None,
     ) -> Committed | None:
         """start -> `move` (the update calls and the data plane) -> finish; a round that
         fails after start is aborted on the engine (best effort). Returns the client's
-        answer to the commit (None from a client that reports nothing)."""
-        self.client.start_weight_update(is_checkpoint_format=self.is_checkpoint_format)
+        answer to the commit (None from a client that reports nothing). `adapter`: the
+        start's lora_name and lora_config, for a round into a LoRA adapter."""
+        self.client.start_weight_update(  # type: ignore[call-arg]
+            is_checkpoint_format=self.is_checkpoint_format, **(adapter or {})
+        )
         try:
             move()
         except BaseException:

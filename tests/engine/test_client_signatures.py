@@ -42,7 +42,10 @@ ALIASES = {
     "weight_info": "get_weight_info",
 }
 # Methods named after a verb that deliberately take other arguments, and why.
-EXEMPT = {"collective_rpc": "vLLM's signature: a client-side `timeout`, `args` as a tuple"}
+EXEMPT = {
+    "collective_rpc": "vLLM's signature: a client-side `timeout`, `args` as a tuple",
+    "load_lora_adapter": "vLLM's arguments; AsyncLLM runs the verb's `prepare` phase itself",
+}
 # Protocols declare the least a third-party client must take: a prefix of the verb's.
 PROTOCOLS = (WeightSyncClient, PreparingWeightSyncClient)
 
@@ -69,8 +72,10 @@ def verb_methods(cls: type) -> dict[str, str]:
 
 
 def described(parameters: list[inspect.Parameter]) -> list[tuple[str, Any]]:
-    """(name, default) of each parameter after self; keyword-only ones must be too."""
-    return [(p.name, p.default) for p in parameters if p.kind is not p.VAR_KEYWORD]
+    """(name, default) of each parameter after self; keyword-only ones must be too. Ray
+    adds `_ray_trace_ctx` to an actor class's methods once the class is made remote."""
+    return [(p.name, p.default) for p in parameters
+            if p.kind is not p.VAR_KEYWORD and p.name != "_ray_trace_ctx"]  # fmt: skip
 
 
 def verb_parameters(verb: str) -> list[tuple[str, Any]]:

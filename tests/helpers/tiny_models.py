@@ -104,3 +104,48 @@ def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overri
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def write_peft_adapter(
+    model_dir: Path,
+    out_dir: Path,
+    rank: int = 8,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+    seed: int = 0,
+    alpha: float | None = None,
+    use_rslora: bool = False,
+) -> Path:
+    """A random, non-zero LoRA adapter for the model in `model_dir`, written by peft
+    itself (adapter_config.json + adapter_model.safetensors)."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        target_modules=list(targets),
+        use_rslora=use_rslora,
+        init_lora_weights=False,  # random A and B: the adapter changes the outputs
+        lora_dropout=0.0,
+    )
+    peft_model = peft.get_peft_model(model, config)
+    with torch.no_grad():  # peft's random init is small; make the adapter matter
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5 / rank**0.5)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def peft_reference(model_dir: Path, adapter_dir: Path | None):  # noqa: ANN201
+    """The float32 transformers model with the adapter applied by peft (None: the base)."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir)
+    return model.eval()

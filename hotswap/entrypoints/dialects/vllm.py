@@ -45,6 +45,8 @@ def _finished(done: Done) -> dict[str, Any]:
     answer = {"message": "Weight update finished", **weight_info_answer(done.result)}
     if done.args.checksum:
         answer["checksums"] = done.result.get("checksums")
+    if done.result.get("lora_name") is not None:  # a round into a LoRA adapter: its version
+        answer.update(lora_name=done.result["lora_name"], lora_version=done.result["lora_version"])
     return answer
 
 

@@ -293,6 +293,14 @@ class LlamaForCausalLM(nn.Module):
             holders.append(self.head_packed)
         return holders
 
+    def shard_sizes(self, module: str) -> list[int]:
+        """Output sizes of a linear layer's checkpoint shards (fused: q/k/v, gate/up)."""
+        if module.endswith("qkv_proj"):
+            return list(self.model.layers[0].self_attn.split_sizes)
+        if module.endswith("gate_up_proj"):
+            return [self.spec.intermediate_size] * 2
+        return [self.get_submodule(module).weight.shape[0]]
+
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (k_cache, v_cache) in zip(self.model.layers, caches, strict=True):
             layer.self_attn.k_cache = k_cache
@@ -386,9 +394,6 @@ class LlamaForCausalLM(nn.Module):
     def _shard_view(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
         if shard is None:
             return param.data
-        if "qkv_proj" in name:
-            sizes = self.model.layers[0].self_attn.split_sizes
-        else:
-            sizes = [self.spec.intermediate_size] * 2
+        sizes = self.shard_sizes(name.rsplit(".", 1)[0])
         start = sum(sizes[:shard])
         return param.data.narrow(0, start, sizes[shard])

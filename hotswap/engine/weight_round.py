@@ -1,0 +1,54 @@
+"""One weight round's state: what it writes into (the model or a LoRA adapter's stage)
+and what it has received so far."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from hotswap.engine.weight_targets import WeightTargets
+from hotswap.model.lora_stage import AdapterStage
+from hotswap.weight_transfer.base import Delta
+from hotswap.weight_transfer.config import WeightTransferConfig
+
+
+@dataclass
+class Round:
+    is_checkpoint_format: bool
+    targets: WeightTargets  # what the round writes: the model, or a LoRA adapter's stage
+    # When a call last touched the round: a round idle past the round timeout is aborted.
+    last_call: float = field(default_factory=time.monotonic)
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    deltas: list[tuple[str, Delta]] = field(default_factory=list)  # applied after `staged`
+    in_shadow: bool = False  # written into the double buffer: the commit is a swap
+
+    @property
+    def adapter(self) -> AdapterStage | None:
+        """The adapter the round is received into (None: the model's weights)."""
+        model = self.targets.model
+        return model if isinstance(model, AdapterStage) else None
+
+    def must_be_complete(self, config: WeightTransferConfig | None) -> bool:
+        """A new adapter is sent whole; the model, when the config requires it."""
+        adapter = self.adapter
+        if adapter is not None:
+            return adapter.complete_required
+        return config is not None and config.require_complete
+
+
+class WeightApplyError(RuntimeError):
+    """Writing a validated stage into the model failed midway (not expected: shapes and
+    dtypes were checked). The weights are then incomplete and no step runs until a
+    complete round or a reload succeeds."""
+
+
+def fresh_allocator(device: torch.device):  # noqa: ANN202 - an Allocator
+    return lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device)
+
+
+def drain(items: Iterator[tuple[str, torch.Tensor]]) -> None:
+    for _ in items:
+        pass
