@@ -23,12 +23,15 @@ from hotswap.entrypoints.dialects.sessions import DialectSessions
 from hotswap.entrypoints.dialects.sglang import sglang_router
 from hotswap.entrypoints.dialects.sglang_admin import sglang_admin_router
 from hotswap.entrypoints.dialects.sglang_generate import sglang_generate_router
+from hotswap.entrypoints.dialects.sglang_lora import sglang_lora_router
 from hotswap.entrypoints.dialects.sglang_weights import sglang_weights_router
 from hotswap.entrypoints.dialects.trl import trl_router
 from hotswap.entrypoints.dialects.vllm import vllm_router
 from hotswap.entrypoints.errors import error_response, install_error_handlers
 from hotswap.entrypoints.limits import HTTPGuard
+from hotswap.entrypoints.lora import AdapterIds, load_lora_modules
 from hotswap.entrypoints.metrics import ServerMetrics
+from hotswap.entrypoints.openai.lora_routes import lora_router
 from hotswap.entrypoints.openai.routes import openai_router
 from hotswap.entrypoints.state import ServerConfig, get_engine, get_metrics
 
@@ -62,6 +65,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
     app.state.server_config = config
     app.state.metrics = ServerMetrics(config.served_model_name)
     app.state.dialect_sessions = DialectSessions()  # the dialects' weight-plane sessions
+    app.state.lora_ids = AdapterIds()  # a stable lora_int_id per adapter name
     install_error_handlers(app)
     app.add_middleware(
         HTTPGuard, max_body_bytes=config.max_request_body_bytes, api_key=config.api_key
@@ -74,6 +78,11 @@ def build_app(engine: AsyncLLM, config: ServerConfig) -> FastAPI:
         for router in (vllm_router, sglang_router, sglang_weights_router, sglang_admin_router,
                        prime_rl_router, pipelinerl_router, areal_router):  # fmt: skip
             app.include_router(router)
+    if engine is not None and engine.config.lora is not None:
+        # vLLM's runtime LoRA routes (it asks for VLLM_ALLOW_RUNTIME_LORA_UPDATING; here
+        # --enable-lora is enough) and SGLang's: see lora_routes.py and sglang_lora.py
+        app.include_router(lora_router)
+        app.include_router(sglang_lora_router)
     app.include_router(openai_router)
     app.include_router(sglang_generate_router)  # SGLang serves /generate without a flag
     app.include_router(trl_router)  # its weight routes check --enable-control
@@ -108,6 +117,15 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+async def _serve(
+    server: _Server, sock: socket.socket, engine: AsyncLLM, config: ServerConfig
+) -> None:
+    """Load the --lora-modules adapters (a failure raises: the server never starts),
+    then serve on `sock`."""
+    await load_lora_modules(engine, config.served_model_name, config.lora_modules)
+    await server.serve(sockets=[sock])
+
+
 def run_server(config: ServerConfig, model: str | None, engine_kwargs: dict) -> None:
     """Bind first (port 0 picks a free port), start the engine process, then serve until
     Ctrl-C / SIGTERM; the engine process is always shut down on the way out."""
@@ -125,7 +143,7 @@ def run_server(config: ServerConfig, model: str | None, engine_kwargs: dict) -> 
         # end here, so the engine process is always shut down below.
         signal.signal(signal.SIGTERM, _interrupt)
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(server.serve(sockets=[sock]))
+            asyncio.run(_serve(server, sock, engine, config))
     finally:
         engine.shutdown()
         sock.close()

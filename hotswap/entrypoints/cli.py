@@ -63,6 +63,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     group.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    group.add_argument(
+        "--lora-modules",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="MODULE",
+        help="LoRA adapters to load at start (needs --enable-lora), as vLLM's flag: "
+        'name=path or JSON {"name": ..., "path": ..., "base_model_name": ...}',
+    )
     add_agentic_args(group)
     add_limit_args(group)
 
@@ -102,6 +111,7 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from hotswap.default_model import DEFAULT_MODEL_NAME
     from hotswap.entrypoints.api_server import run_server
+    from hotswap.entrypoints.lora import parse_lora_modules
     from hotswap.entrypoints.state import ServerConfig
     from hotswap.structured_output import StructuredOutputsConfig
 
@@ -126,7 +136,10 @@ def run_serve(args: argparse.Namespace) -> None:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         structured_outputs=StructuredOutputsConfig.from_json(args.structured_outputs_config),
+        lora_modules=parse_lora_modules(args.lora_modules),
     )
+    if config.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules: LoRA is not enabled: add --enable-lora")
     check_parsers(config)
     if args.max_request_body_bytes < 1:
         raise ValueError("--max-request-body-bytes: must be at least 1")

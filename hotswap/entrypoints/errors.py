@@ -28,15 +28,12 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {
-        "error": {
-            "message": message,
-            "type": _phrase(status),
-            "code": status,
-            "param": param,
-        }
-    }
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """The envelope: {"error": {message, type, code, param}}."""
+    return {"error": {"message": message, "type": _phrase(status), "code": status, "param": param}}
 
 
 def _phrase(status: int) -> str:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from hotswap.entrypoints.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from hotswap.entrypoints.lora import AdapterIds, LoRAModulePath
 from hotswap.structured_output import StructuredOutputsConfig
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class ServerConfig:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     structured_outputs: StructuredOutputsConfig = StructuredOutputsConfig()
+    # vLLM's --lora-modules: adapters loaded before the server accepts requests
+    lora_modules: tuple[LoRAModulePath, ...] = ()
 
 
 def get_engine(request: Request) -> AsyncLLM:
@@ -51,3 +54,7 @@ def get_server_config(request: Request) -> ServerConfig:
 
 def get_metrics(request: Request) -> ServerMetrics:
     return request.app.state.metrics
+
+
+def get_lora_ids(request: Request) -> AdapterIds:
+    return request.app.state.lora_ids

@@ -101,3 +101,39 @@ def test_vllm_kv_cache_memory_bytes_flag_sets_the_budget() -> None:
     for flag in ("--kv-cache-memory-bytes", "--kv-cache-memory"):
         args = build_parser().parse_args(["serve", "some/model", flag, str(3 << 30)])
         assert args.kv_cache_memory_bytes == 3 << 30
+
+
+def test_lora_modules_take_vllm_forms() -> None:
+    """`--lora-modules name=path` or JSON (vLLM's forms), several per flag or flag."""
+    from hotswap.entrypoints.lora import LoRAModulePath, parse_lora_modules
+
+    json_form = '{"name": "sql", "path": "/a/sql", "base_model_name": "base"}'
+    argv = ["serve", "m", "--lora-modules", "tone=/a/tone", json_form, "--lora-modules", "x=/y=z"]
+    values = build_parser().parse_args(argv).lora_modules
+    assert parse_lora_modules(values) == (
+        LoRAModulePath("tone", "/a/tone"),
+        LoRAModulePath("sql", "/a/sql", "base"),
+        LoRAModulePath("x", "/y=z"),
+    )
+    assert parse_lora_modules(None) == ()
+    for bad, message in [
+        ("just-a-path", "invalid format"),
+        ("=/a/b", "'name' must be a non-empty string"),
+        ('{"name": "a"}', "'path' must be a non-empty string"),
+        ('{"name": "a", "path": "/p", "scale": 2}', "unknown field 'scale'"),
+        ('["a", "/p"]', "is not a JSON object"),
+    ]:
+        with pytest.raises(ValueError, match="--lora-modules: ") as info:
+            parse_lora_modules([bad])
+        assert message in str(info.value)
+    with pytest.raises(ValueError, match="'a' is given twice"):
+        parse_lora_modules(["a=/p", "a=/q"])
+
+
+def test_lora_modules_need_enable_lora(capsys: pytest.CaptureFixture[str]) -> None:
+    from hotswap.entrypoints.cli import main
+
+    assert main(["serve", "some/model", "--lora-modules", "a=/p"]) == 2
+    assert "hotswap: error: --lora-modules: LoRA is not enabled: add --enable-lora" in (
+        capsys.readouterr().err
+    )

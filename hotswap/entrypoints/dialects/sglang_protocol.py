@@ -71,6 +71,7 @@ class GenerateRequest(RequestModel):
     stream: bool = False
     cache_salt: Any = None  # str or one per prompt
     return_prompt_token_ids: bool = False
+    lora_path: Any = None  # a loaded LoRA adapter's name, or one (or null) per prompt
     # Routing and observability hints with no meaning on one hotswap server: ignored.
     log_metrics: Any = None
     routed_dp_rank: Any = None
@@ -86,7 +87,6 @@ class GenerateRequest(RequestModel):
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
-    lora_path: Any = None
     custom_logit_processor: Any = None
     token_ids_logprob: Any = None
     session_params: Any = None
@@ -117,7 +117,6 @@ DEFAULT_ONLY = [
     "image_data",
     "video_data",
     "audio_data",
-    "lora_path",
     "custom_logit_processor",
     "token_ids_logprob",
     "session_params",

@@ -25,6 +25,7 @@ from hotswap.entrypoints.limits import off_loop, printable_field
 from hotswap.entrypoints.openai.constraints import parse_logit_bias
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
+    adapter_request,
     check_unknown_fields,
     prepare_prompt,
     warn_ignored_fields,
@@ -32,6 +33,7 @@ from hotswap.entrypoints.openai.params import (
 from hotswap.entrypoints.openai.protocol import RequestModel
 from hotswap.entrypoints.state import get_server_config
 from hotswap.errors import InvalidArgument
+from hotswap.lora_request import LoRARequest
 from hotswap.sampling_params import (
     MAX_LOGPROBS,
     RequestOutputKind,
@@ -52,13 +54,14 @@ async def plan_jobs(
     n = _common_n(samplings)
     rids = _rids(body.rid, len(inputs), single)
     salts = _per_prompt(body.cache_salt, len(inputs), "cache_salt", _is_salt, None)
+    loras = _loras(request, body.lora_path, len(inputs))
     prompts = await off_loop(  # tokenizing a long prompt must not stall other clients
         lambda: [prepare_prompt(engine, value, param=param) for value, param in inputs]
     )
     specs = _logprob_specs(body, prompts)
     jobs = []
     for i, (prompt, (fields, prefix)) in enumerate(zip(prompts, samplings)):
-        prompt.cache_salt = salts[i]
+        prompt.cache_salt, prompt.lora_request = salts[i], loras[i]
         jobs.append(_job(prompt, fields, prefix, specs[i], rids[i], body.stream))
     structured = get_server_config(request).structured_outputs  # the server's defaults
     for job in jobs:
@@ -229,6 +232,22 @@ def _per_prompt(value: Any, count: int, name: str, ok: Any, default: Any) -> lis
         if not ok(item):
             raise APIError(400, f"{param}: invalid value {_short(item)}", f"body.{param}")
     return [default if item is None else item for item in value]
+
+
+def _loras(request: Request, value: Any, count: int) -> list[LoRARequest | None]:
+    """`lora_path`: the adapter each prompt runs on, by the name it was loaded under
+    (/load_lora_adapter, --lora-modules); null for the base model. A name not loaded is
+    refused (SGLang's older form, a directory, is not loaded on the fly)."""
+    names = _per_prompt(value, count, "lora_path", _is_salt, None)
+    loras = []
+    for i, name in enumerate(names):
+        lora = None if name is None else adapter_request(request, name)
+        if name is not None and lora is None:
+            field = f"lora_path[{i}]" if isinstance(value, list) else "lora_path"
+            raise APIError(400, f"{field}: no LoRA adapter named {_short(name)} is loaded "
+                           "(load it with /load_lora_adapter)", f"body.{field}")  # fmt: skip
+        loras.append(lora)
+    return loras
 
 
 def _is_salt(value: Any) -> bool:

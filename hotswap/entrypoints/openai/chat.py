@@ -30,9 +30,9 @@ from hotswap.entrypoints.openai.params import (
     check_unsupported,
     completion_max_tokens,
     max_tokens_param,
+    model_name,
     prepare_prompt,
     sampling_params,
-    served_model_name,
 )
 from hotswap.entrypoints.openai.parsers import REASONING_PARSERS, ParsedDelta
 from hotswap.entrypoints.openai.protocol import ChatCompletionRequest
@@ -92,7 +92,7 @@ class ChatContext:
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     engine = get_engine(request)
-    check_model(request, body.model)
+    lora = check_model(request, body.model)
     check_unsupported(body)
     apply_server_flags(request, body)
     _check_chat_options(body)
@@ -111,7 +111,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     prompt = await off_loop(render_chat, engine, body)  # templates and long prompts take time
     check_context_length(engine, prompt, max_tokens, max_tokens_param(body))
-    prompt.cache_salt = body.cache_salt
+    prompt.cache_salt, prompt.lora_request = body.cache_salt, lora
     server.structured_outputs.apply(sampling.structured_outputs)
     thinking = starts_thinking(body, server, prompt.text or "")
     if thinking and not server.structured_outputs.enable_in_reasoning:
@@ -121,7 +121,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     role = "assistant" if body.add_generation_prompt else body.messages[-1]["role"]
     ctx = ChatContext(
         id=base_request_id(request, body.request_id, "chatcmpl"),
-        model=served_model_name(request),
+        model=model_name(request, lora),
         body=body,
         prompt=prompt,
         role=role,

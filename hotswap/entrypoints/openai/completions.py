@@ -17,9 +17,9 @@ from hotswap.entrypoints.openai.params import (
     check_context_length,
     check_model,
     check_unsupported,
+    model_name,
     prepare_prompt,
     sampling_params,
-    served_model_name,
 )
 from hotswap.entrypoints.openai.protocol import CompletionRequest
 from hotswap.entrypoints.openai.responses import (
@@ -70,7 +70,7 @@ class CompletionContext:
 
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     engine = get_engine(request)
-    check_model(request, body.model)
+    lora = check_model(request, body.model)
     check_unsupported(body)
     apply_server_flags(request, body)
     prompt_logprobs = body.prompt_logprobs
@@ -99,10 +99,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     for prompt in prompts:
         check_context_length(engine, prompt, body.max_tokens, "body.max_tokens")
         prompt.cache_salt = body.cache_salt
+        prompt.lora_request = lora
     base_id = base_request_id(request, body.request_id, "cmpl")
     ctx = CompletionContext(
         id=base_id,
-        model=served_model_name(request),
+        model=model_name(request, lora),
         body=body,
         prompts=prompts,
         echo_texts=[_echo_text(engine, p) if body.echo else "" for p in prompts],

@@ -49,7 +49,7 @@ from hotswap.entrypoints.openai.generate_protocol import (
     GenerateWeightSpan,
     TextLogProbs,
 )
-from hotswap.entrypoints.openai.params import check_model, served_model_name
+from hotswap.entrypoints.openai.params import check_model, model_name
 from hotswap.entrypoints.openai.responses import ChatLogProb, ChatLogProbsContent
 from hotswap.entrypoints.openai.serving import (
     MIN_LOGPROB,
@@ -92,20 +92,21 @@ class GenerateContext:
 async def create_generate(body: GenerateRequest, request: Request) -> Response:
     engine = get_engine(request)
     server = get_server_config(request)
-    check_model(request, body.model)
+    lora = check_model(request, body.model)
     check_unsupported_generate(body)
     params = generate_sampling_params(
         body.sampling_params, stream=bool(body.stream), defaults=engine.config.default_sampling
     )
     server.structured_outputs.apply(params.structured_outputs)
     prompt = generate_prompt(engine, body)
+    prompt.lora_request = lora
     # decoding the prompt (reasoning gate) and compiling a grammar take time: off the loop
     await off_loop(gate_after_thinking, engine, server, body, params)
     await off_loop(prepare_generate_params, engine, params)
     base = request.headers.get("x-request-id") or body.request_id or uuid.uuid4().hex
     ctx = GenerateContext(
         request_id=f"generate-tokens-{base}",
-        model=served_model_name(request),
+        model=model_name(request, lora),
         body=body,
         logprobs=body.sampling_params.logprobs,
         as_ids=server.return_tokens_as_token_ids,

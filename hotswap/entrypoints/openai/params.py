@@ -22,7 +22,8 @@ from hotswap.entrypoints.openai.protocol import (
     RequestModel,
     SamplingRequest,
 )
-from hotswap.entrypoints.state import get_server_config
+from hotswap.entrypoints.state import get_engine, get_lora_ids, get_server_config
+from hotswap.lora_request import LoRARequest
 from hotswap.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class EnginePrompt:
     text: str | None
     token_ids: list[int]
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs on (None: the base model)
 
     def as_input(self) -> dict[str, Any]:
         prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}
@@ -64,10 +66,28 @@ def served_model_name(request: Request) -> str:
     return get_server_config(request).served_model_name
 
 
-def check_model(request: Request, model: str | None) -> None:
-    """404 (as vLLM / OpenAI) unless `model` is omitted or names the served model."""
-    if model is not None and model != served_model_name(request):
+def check_model(request: Request, model: str | None) -> LoRARequest | None:
+    """None when `model` is omitted or names the served model; the adapter's request when
+    it names a loaded LoRA adapter (vLLM's); else 404, as vLLM / OpenAI."""
+    if model is None or model == served_model_name(request):
+        return None
+    lora = adapter_request(request, model)
+    if lora is None:
         raise APIError(404, f"The model `{model}` does not exist.", "body.model")
+    return lora
+
+
+def adapter_request(request: Request, name: str) -> LoRARequest | None:
+    """The LoRARequest for the adapter loaded under `name` (None: no such adapter)."""
+    path = get_engine(request).loaded_adapters.get(name)
+    if path is None:
+        return None
+    return LoRARequest(name, get_lora_ids(request).of(name), path)
+
+
+def model_name(request: Request, lora: LoRARequest | None) -> str:
+    """A response's `model`: the adapter's name if the request runs on one (vLLM's)."""
+    return lora.lora_name if lora is not None else served_model_name(request)
 
 
 def base_request_id(request: Request, body_id: str | None, prefix: str) -> str:

@@ -180,8 +180,8 @@ class ModelCard(ResponseModel):
     created: int
     owned_by: str = "hotswap"
     root: str | None = None
-    parent: str | None = None
-    max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's)
+    max_model_len: int | None = None  # None on an adapter's card, as vLLM
     permission: list[dict[str, Any]] = Field(default_factory=list)
 
 

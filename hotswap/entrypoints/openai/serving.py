@@ -54,7 +54,9 @@ class MergedStream:
         """Submit every prompt; raises (after aborting the others) if the engine refused
         one, e.g. for a request id already in use."""
         for index, (prompt, params, request_id) in enumerate(self._jobs):
-            stream = self._engine.generate(prompt.as_input(), params, request_id)
+            stream = self._engine.generate(
+                prompt.as_input(), params, request_id, lora_request=prompt.lora_request
+            )
             self._tasks.append(asyncio.create_task(self._pump(index, stream)))
         # One turn of the loop runs each pump up to its first wait, i.e. past the submit.
         await asyncio.sleep(0)

@@ -22,14 +22,21 @@ from hotswap.entrypoints.state import get_engine
 
 
 def list_models(request: Request) -> ModelList:
+    """The served model, then each loaded LoRA adapter as vLLM lists one: its name as
+    `id`, its directory as `root`, the served model as `parent`."""
     engine = get_engine(request)
+    served, created = served_model_name(request), int(time.time())
     card = ModelCard(
-        id=served_model_name(request),
-        created=int(time.time()),
+        id=served,
+        created=created,
         root=str(engine.config.model.path),
         max_model_len=engine.config.scheduler.max_model_len,
     )
-    return ModelList(data=[card])
+    adapters = [
+        ModelCard(id=name, created=created, root=path, parent=served)
+        for name, path in engine.loaded_adapters.items()
+    ]
+    return ModelList(data=[card, *adapters])
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
