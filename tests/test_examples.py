@@ -38,9 +38,9 @@ def test_example_runs(script: str, expected: str) -> None:
     assert expected in result.stdout, result.stdout[-3000:]
 
 
-def run_grpo(*args: str) -> subprocess.CompletedProcess:
+def run_grpo(*args: str, script: str = "grpo_async.py") -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "grpo_async.py"), *args],
+        [sys.executable, str(EXAMPLES / script), *args],
         capture_output=True,
         text=True,
         timeout=840,
@@ -109,5 +109,21 @@ def test_grpo_recipe_with_its_engines_on_ray(tmp_path: Path) -> None:
              "--engine-threads", "1", "--transport", "ray", "--log-json", str(log))  # fmt: skip
     summary = json.loads(log.read_text())["summary"]
     assert (summary["steps"], summary["engine"], summary["transport"]) == (3, "ray", "ray")
+    assert summary["on_policy_tokens"] > 0
+    assert summary["max_abs_dlogp"] <= 1e-4, summary
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_grpo_lora_recipe_learns_pushing_only_the_adapter(tmp_path: Path) -> None:
+    """GRPO training a peft LoRA adapter: only the adapter is pushed (a few MB), each push
+    is the adapter's next version, the reward rises, and the engine's logprobs on tokens
+    from the trainer's current adapter equal the trainer's to 1e-4."""
+    log = tmp_path / "grpo_lora.json"
+    run_grpo("--steps", "6", "--log-json", str(log), script="grpo_lora.py")
+    summary = json.loads(log.read_text())["summary"]
+    assert summary["steps"] == 6
+    assert summary["reward_last"] >= summary["reward_first"] + 0.2, summary
+    assert summary["push_mib"] < 30  # the adapter, not the model's ~540 MB
     assert summary["on_policy_tokens"] > 0
     assert summary["max_abs_dlogp"] <= 1e-4, summary

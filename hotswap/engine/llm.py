@@ -216,24 +216,22 @@ def _as_params_list(
     vLLM's LLM.get_default_sampling_params."""
     if params is None:
         return [SamplingParams(**(defaults or {})) for _ in range(count)]
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(
-            f"sampling_params: got {len(params)} for {count} prompts; pass one or one per prompt"
-        )
-    return params
+    return _per_prompt(params, count, "sampling_params", SamplingParams)
 
 
 def _as_lora_list(
     lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
 ) -> list[LoRARequest | None]:
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * count
-    loras = list(lora)
-    if len(loras) != count:
+    return [None] * count if lora is None else _per_prompt(lora, count, "lora_request", LoRARequest)
+
+
+def _per_prompt(value: Any, count: int, field: str, single: type) -> list[Any]:
+    """`value` for every prompt when it is one `single`, else one per prompt."""
+    if isinstance(value, single):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
         raise ValueError(
-            f"lora_request: got {len(loras)} for {count} prompts; pass one or one per prompt"
+            f"{field}: got {len(values)} for {count} prompts; pass one or one per prompt"
         )
-    return loras
+    return values

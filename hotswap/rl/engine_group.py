@@ -25,6 +25,7 @@ from hotswap.weight_transfer.clients import (
     GroupCommittedWeights,
     PreparingWeightSyncClient,
     WeightSyncError,
+    adapter_round,
 )
 from hotswap.weight_transfer.config import KV_POLICIES
 from hotswap.weight_transfer.engine import shift_rank_offset
@@ -87,7 +88,7 @@ class EngineGroup:
         lora_name: str | None = None,
         lora_config: dict[str, Any] | None = None,
     ) -> None:
-        adapter = {"lora_name": lora_name, "lora_config": lora_config} if lora_name else {}
+        adapter = adapter_round(lora_name, lora_config)
         failed = self._on_all(
             "start_weight_update",
             lambda c, i: c.start_weight_update(is_checkpoint_format, **adapter),

@@ -76,6 +76,12 @@ def _common(values: list[Any]) -> Any:
     return values[0] if values and values[0] is not None and len(set(values)) == 1 else None
 
 
+def adapter_round(lora_name: str | None, lora_config: dict[str, Any] | None) -> dict[str, Any]:
+    """A start's arguments for a round into a LoRA adapter (none for the weights' round, so
+    a client of the plain protocol need not take them)."""
+    return {"lora_name": lora_name, "lora_config": lora_config} if lora_name else {}
+
+
 # What a commit returns: one engine's answer, or an EngineGroup's (one per engine).
 Committed = CommittedWeights | GroupCommittedWeights
 
@@ -133,8 +139,8 @@ class VerbClient:
         lora_name: str | None = None,
         lora_config: dict[str, Any] | None = None,
     ) -> None:
-        adapter = {"lora_name": lora_name, "lora_config": lora_config} if lora_name else {}
-        self._verb("start_weight_update", is_checkpoint_format=is_checkpoint_format, **adapter)
+        self._verb("start_weight_update", is_checkpoint_format=is_checkpoint_format,
+                   **adapter_round(lora_name, lora_config))  # fmt: skip
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self._verb("update_weights", update_info=update_info)

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from hotswap.weight_transfer.base import ParamMeta, WeightSource, checked_items
-from hotswap.weight_transfer.clients import Committed, WeightSyncClient
+from hotswap.weight_transfer.clients import Committed, WeightSyncClient, adapter_round
 
 T = TypeVar("T")
 
@@ -70,7 +70,7 @@ class TrainerWeightTransferEngine(ABC):
         metas, tensors = checked_items(self.source)
         if not self.is_sender:
             return None
-        adapter = {"lora_name": lora_name, "lora_config": lora_config} if lora_name else {}
+        adapter = adapter_round(lora_name, lora_config)
         return self.run_round(
             lambda: self.send_round(metas, tensors), weight_version, digest, kv_policy, adapter
         )
