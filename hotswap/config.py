@@ -137,6 +137,8 @@ class EngineConfig:
     prepack_weights: bool = True
     default_sampling: dict[str, Any] = field(default_factory=dict)  # generation_config
     lora: LoRAConfig | None = None  # --enable-lora
+    # vLLM's --enable-return-routed-experts: each token's experts, per MoE layer
+    return_routed_experts: bool = False
 
 
 def resolve_model_path(model: str | None) -> Path:

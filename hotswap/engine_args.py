@@ -171,6 +171,11 @@ class EngineArgs:
     max_cpu_loras: int | None = arg(
         None, "most LoRA adapters loaded at once (default: max(8, --max-loras))"
     )
+    enable_return_routed_experts: bool = arg(
+        False,
+        "return the experts a mixture-of-experts model routed each token to "
+        "(routed_experts on completions and chat; rollout routing replay)",
+    )
     # Imported by the engine core at start, never named by a request.
     worker_extension_cls: str | None = arg(
         None,
@@ -219,6 +224,7 @@ class EngineArgs:
                 self.generation_config, model_dir, self.override_generation_config
             ),
             lora=self._lora_config(),
+            return_routed_experts=bool(self.enable_return_routed_experts),
         )
 
     def _lora_config(self) -> LoRAConfig | None:

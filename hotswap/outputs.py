@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 @dataclass
 class Logprob:
@@ -45,6 +47,10 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
+    # With --enable-return-routed-experts, on the final output: the experts each position
+    # fed to the model was routed to, [prompt + output tokens - 1 -
+    # routed_experts_prompt_start, sparse layers, top_k] (vLLM's field and shape)
+    routed_experts: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

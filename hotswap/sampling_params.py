@@ -112,6 +112,9 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # With --enable-return-routed-experts: the prompt tokens whose experts are not
+    # returned (vLLM's; a later turn skips the prefix an earlier one returned).
+    routed_experts_prompt_start: int = 0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -172,6 +175,11 @@ class SamplingParams:
                 name,
                 f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
             )
+        _require(
+            _is_int(self.routed_experts_prompt_start) and self.routed_experts_prompt_start >= 0,
+            "routed_experts_prompt_start",
+            f"must be a non-negative integer, got {self.routed_experts_prompt_start!r}",
+        )
         self._validate_penalties()
         self._validate_logits_controls()
 

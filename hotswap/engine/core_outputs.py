@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hotswap.engine.messages import EngineCoreOutput, TokenLogprobsMsg
+import numpy as np
+
+from hotswap.engine.messages import EngineCoreOutput, RoutedExpertsMsg, TokenLogprobsMsg
 from hotswap.engine.request import Request
 from hotswap.model.runner import RunnerOutput
 from hotswap.model.sampler import TokenLogprobs
@@ -37,7 +39,17 @@ def finished_output(request: Request, weights: WeightVersion) -> EngineCoreOutpu
         stale=request.kv_version != weights.version,
         lora_name=lora.name if lora is not None else None,
         lora_version=lora.version if lora is not None else None,
+        routed_experts=_take_routed_experts(request),
     )
+
+
+def _take_routed_experts(request: Request) -> RoutedExpertsMsg | None:
+    """The rows read since the last output, which now carries them."""
+    if not request.routed_experts:
+        return None
+    rows = np.concatenate(request.routed_experts)
+    request.routed_experts = []
+    return RoutedExpertsMsg.of(rows)
 
 
 def step_output(request: Request, result: RunnerOutput, weights: WeightVersion) -> EngineCoreOutput:

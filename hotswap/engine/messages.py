@@ -7,6 +7,7 @@ messages can cross a process boundary unchanged.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from hotswap.engine.verbs import AnyArgs, verb_name
 from hotswap.sampling_params import SamplingParams
@@ -29,6 +30,24 @@ class TokenLogprobsMsg(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class RoutedExpertsMsg(msgspec.Struct, array_like=True):
+    """Rows [positions, sparse layers, top_k] of expert ids, C order, numpy dtype `dtype`
+    (uint8, uint16 or int32 by the number of experts, as vLLM's)."""
+
+    data: bytes
+    dtype: str
+    layers: int
+    top_k: int
+
+    @classmethod
+    def of(cls, rows: np.ndarray) -> RoutedExpertsMsg:
+        return cls(rows.tobytes(), rows.dtype.str, rows.shape[1], rows.shape[2])
+
+    def array(self) -> np.ndarray:
+        flat = np.frombuffer(self.data, dtype=np.dtype(self.dtype))
+        return flat.reshape(-1, self.layers, self.top_k)
+
+
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -46,6 +65,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     # The LoRA adapter version the request runs on (None: the base model).
     lora_name: str | None = None
     lora_version: int | None = None
+    # Experts of the positions read since the request's last output (routing replay).
+    routed_experts: RoutedExpertsMsg | None = None
 
     @property
     def finished(self) -> bool:

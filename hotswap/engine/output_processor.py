@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hotswap.detokenizer import IncrementalDetokenizer
 from hotswap.engine.messages import EngineCoreOutput, TokenLogprobsMsg
 from hotswap.errors import InvalidArgument
@@ -32,6 +34,17 @@ class ChoiceState:
     stop_reason: int | str | None = None
     sent_tokens: int = 0  # tokens already handed out (delta mode)
     spans: list[WeightVersionSpan] = field(default_factory=list)
+    routed_experts: list[np.ndarray] = field(default_factory=list)  # rows as they came
+    num_prompt_tokens: int = 0
+
+    def routed_experts_rows(self) -> np.ndarray | None:
+        """[prompt + output tokens - 1 - routed_experts_prompt_start, layers, top_k]: every
+        position that was fed to the model (the last sampled token never was), as vLLM's."""
+        if not self.routed_experts:
+            return None
+        skipped = min(self.params.routed_experts_prompt_start, self.num_prompt_tokens)
+        rows = self.num_prompt_tokens + len(self.token_ids) - 1 - skipped
+        return np.concatenate(self.routed_experts)[: max(rows, 0)]
 
     def record_provenance(self, out: EngineCoreOutput) -> None:
         end = len(self.token_ids)
@@ -88,6 +101,7 @@ class OutputProcessor:
         for index in range(params.n):
             child_params = params.for_child(index) if params.n > 1 else params
             choice = ChoiceState(index, child_params, self._detokenizer(prompt_token_ids, params))
+            choice.num_prompt_tokens = len(prompt_token_ids)
             if params.logprobs is not None:
                 choice.logprobs, choice.cumulative_logprob = [], 0.0
             state.choices.append(choice)
@@ -158,6 +172,8 @@ class OutputProcessor:
             state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids, out)
         choice.token_ids.extend(out.new_token_ids)
         choice.record_provenance(out)
+        if out.routed_experts is not None:
+            choice.routed_experts.append(out.routed_experts.array())
         if out.new_logprobs and choice.logprobs is not None:
             for token, lp in zip(out.new_token_ids, out.new_logprobs):
                 choice.logprobs.append(self._logprob_dict(token, lp))
@@ -232,6 +248,7 @@ class OutputProcessor:
             finish_reason=choice.finish_reason,
             stop_reason=choice.stop_reason,
             weight_versions=_clip_spans(choice.spans, start),
+            routed_experts=choice.routed_experts_rows() if finished else None,
         )
 
 

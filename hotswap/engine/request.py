@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
+import numpy as np
 import torch
 
 from hotswap.model.lora_adapter import AdapterWeights
@@ -82,6 +83,12 @@ class Request:
         # The LoRA adapter version it runs on (set by the engine core at admission; None:
         # the base model). Held to the end, whatever is loaded under its name meanwhile.
         self.lora: AdapterWeights | None = None
+        # Routing replay (--enable-return-routed-experts): the experts of positions
+        # [.., routed_experts_end) have been read; `routed_experts` holds the rows not
+        # sent yet. Kept across preemption: a recomputed position keeps the experts that
+        # produced the token after it.
+        self.routed_experts: list[np.ndarray] = []
+        self.routed_experts_end = 0
 
     @property
     def needs_prompt_logprobs(self) -> bool:
@@ -89,6 +96,17 @@ class Request:
         from the prefix cache."""
         wanted = self.sampling_params.prompt_logprobs is not None
         return wanted and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def routed_experts_start(self) -> int:
+        """The first position whose experts are still to be read."""
+        skipped = min(self.sampling_params.routed_experts_prompt_start, self.num_prompt_tokens)
+        return max(self.routed_experts_end, skipped)
+
+    def add_routed_experts(self, rows: np.ndarray) -> None:
+        """Rows read from `routed_experts_start` on."""
+        self.routed_experts_end = self.routed_experts_start + len(rows)
+        self.routed_experts.append(rows)
 
     @property
     def num_tokens(self) -> int:

@@ -99,6 +99,9 @@ class RequestManager:
         for request_id, scored in result.prompt_logprobs.items():
             if (request := self.scheduler.requests.get(request_id)) is not None:
                 request.prompt_logprobs.extend(scored)
+        for request_id, rows in result.routed_experts.items():
+            if (request := self.scheduler.requests.get(request_id)) is not None:
+                request.add_routed_experts(rows)
         changed = self.scheduler.update_from_output(plan, result.sampled)
         return [step_output(r, result, self.weights) for r in changed]
 

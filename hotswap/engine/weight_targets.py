@@ -75,7 +75,7 @@ class WeightTargets:
             target = self.model.checkpoint_view(name)
             if target is not None:
                 keys.add(target[0])
-        return sorted(self.model.expected_checkpoint_keys() - keys)
+        return sorted(self.model.expected_checkpoint_keys() - self.model.expand_keys(keys))
 
     def check_complete(self, staged: set[str], checkpoint: bool) -> None:
         missing = self.missing(staged, checkpoint)

@@ -225,6 +225,11 @@ def _target(model: Any, module: str) -> tuple[str, torch.Tensor, int]:
         raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module} is not a layer of this model")
     key, dest = view
     param, _, shard = key.partition("#")
+    if shard and not shard.isdigit():  # "expert.part": a slice of stacked experts
+        raise InvalidArgument(
+            "lora_path", f"{WEIGHTS_FILE}: {module} is a routed expert; adapters on a "
+            "mixture of experts may target attention, shared experts and dense layers"
+        )  # fmt: skip
     return param.removesuffix(".weight"), dest, int(shard or 0)
 
 

@@ -1,6 +1,6 @@
 """An adapter being received in a weight round: its PEFT tensors, staged apart from the
 served versions, with the interface a round writes through (the one the decoder models
-give a round: `checkpoint_view`, `expected_checkpoint_keys`, `parameter_index`,
+give a round: `checkpoint_view`, `expected_checkpoint_keys`, `expand_keys`, `parameter_index`,
 `load_weights`). Only at the commit do they become a new adapter version."""
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class AdapterStage:
 
     def expected_checkpoint_keys(self) -> set[str]:
         return set(self.tensors)
+
+    def expand_keys(self, keys: set[str]) -> set[str]:
+        return keys  # an adapter's tensors are never stacked
 
     def parameter_index(self) -> dict[str, torch.Tensor]:
         return self.tensors

@@ -6,6 +6,7 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hotswap.config import EngineConfig
@@ -25,6 +26,7 @@ from hotswap.model.loader import build_model
 from hotswap.model.lora import ModelLoRA
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
 from hotswap.model.residency import WeightResidency
+from hotswap.model.routed_experts import RoutedExpertsBuffer
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs, top_logprobs
 from hotswap.model.step import ScheduledChunk, StepPlan, StepRequest
 
@@ -41,6 +43,9 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> logprobs of the prompt tokens scored this step, in prompt order
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> experts [positions, sparse layers, top_k] of the positions from its
+    # routed_experts_start on that became known this step
+    routed_experts: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,6 +91,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
+        self.routed_experts = self._routed_experts_buffer()
         self.compiled = self._compile_decode(progress)  # on the bound cache, still unused
         # Each data-parallel rank draws its own noise for unseeded requests (the same seed
         # would make ranks sample identical "random" completions). The CPU generator keeps
@@ -100,6 +106,16 @@ class ModelRunner:
             return None
         return ModelLoRA(self.model, lora.max_loras, lora.max_lora_rank,
                          self.config.batch_invariant)  # fmt: skip
+
+    def _routed_experts_buffer(self) -> RoutedExpertsBuffer | None:
+        """Experts per KV slot, with --enable-return-routed-experts on a mixture of
+        experts (a dense model has none to return: its outputs carry None, as vLLM's)."""
+        moe = getattr(self.model, "moe", None)
+        if not self.config.return_routed_experts or moe is None:
+            return None
+        layers = len(moe.sparse_layers)
+        slots = self.num_blocks * self.block_size
+        return RoutedExpertsBuffer(slots, layers, moe.top_k, moe.num_experts, self.device)
 
     def _prepack(self) -> list[PackedWeight]:
         """Packed copies of the bf16 linear weights, if the fast CPU path runs and the
@@ -120,7 +136,7 @@ class ModelRunner:
         """Compiled graphs for decode steps of a few sequences, on the fast CPU path,
         unless eager mode is asked for or torch cannot compile here."""
         if (self.config.enforce_eager or self.kernels is None
-                or not compilation_available()):  # fmt: skip
+                or not self.model.compilable or not compilation_available()):  # fmt: skip
             return None
         compiled = CompiledDecode(self.model, self.block_size, self.config.scheduler.max_model_len)
         return compiled if compiled.warm_up(progress) else None
@@ -220,6 +236,8 @@ class ModelRunner:
         logits = self._compiled_logits(items, inputs) if compiled else None
         if logits is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if self.routed_experts is not None:
+                self._read_routed_experts(items, inputs, out)
             if inputs.prompt_rows.rows:
                 self._score_prompts(hidden, inputs.prompt_rows, out)
             if not sampling:
@@ -249,6 +267,22 @@ class ModelRunner:
             return None
         self.compiled.compiled_steps += 1
         return logits
+
+    def _read_routed_experts(
+        self, items: list[ScheduledChunk], inputs: StepInputs, out: RunnerOutput
+    ) -> None:
+        """Record the step's experts at its tokens' slots, then give each request the rows
+        it has not read yet (with a prefix-cache hit, the cached positions' too)."""
+        buffer = self.routed_experts
+        assert buffer is not None
+        buffer.record(inputs.meta.slot_mapping, self.model.routed_expert_ids())
+        size = self.block_size
+        for item in items:
+            request, end = item.request, item.start + item.num_tokens
+            if end > (first := request.routed_experts_start):
+                blocks = request.block_ids
+                slots = [blocks[p // size] * size + p % size for p in range(first, end)]
+                out.routed_experts[request.request_id] = buffer.read(slots)
 
     def _score_prompts(
         self, hidden: torch.Tensor, plan: PromptLogprobRows, out: RunnerOutput

@@ -67,15 +67,33 @@ def _hf_config(arch: str, vocab_size: int, **overrides):  # noqa: ANN202
         tie_word_embeddings=False,
         initializer_range=0.1,
     )
+    common.update(MOE_DEFAULTS.get(arch, {}))
     common.update(overrides)
     cls = {
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "mixtral": transformers.MixtralConfig,
+        "olmoe": transformers.OlmoeConfig,
     }[arch]
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         common.setdefault("head_dim", 16)
     return cls(**common)
+
+
+# 8 experts, top-2, per architecture: Qwen3-MoE renormalises the top-k and keeps its
+# middle layer dense (mlp_only_layers), Qwen2-MoE has a gated shared expert, OLMoE clamps
+# q/k/v (at 3.0, which the tiny models reach); Mixtral always renormalises.
+MOE_DEFAULTS: dict[str, dict] = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, num_hidden_layers=3, mlp_only_layers=[1]),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, clip_qkv=3.0),
+}  # fmt: skip
 
 
 def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -97,7 +115,7 @@ def write_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overri
                     layer.self_attn.v_proj,
                 ):
                     proj.bias.normal_(0, 0.1)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe", "olmoe"):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)

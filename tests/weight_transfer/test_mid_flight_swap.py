@@ -17,7 +17,7 @@ from hotswap.weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from tests.weight_transfer.conftest import free_port
+from tests.weight_transfer.conftest import free_port, trainer_model
 
 # Engines (one in a process of its own), seconds each: slow.
 pytestmark = pytest.mark.slow
@@ -56,8 +56,12 @@ async def swap_mid_flight(llm: AsyncLLM, trainer, clear_cache: bool) -> list[Com
     return [latest[i] for i in range(len(PROMPTS))]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("clear_cache", [True, False])
-def test_post_resume_tokens_match_a_fresh_v2_engine(clear_cache, v1_dir, v2_dir, v2_trainer):
+def test_post_resume_tokens_match_a_fresh_v2_engine(clear_cache, arch, tiny_model_factory):
+    v1_dir, v2_dir = tiny_model_factory(arch, seed=0), tiny_model_factory(arch, seed=1)
+    v2_trainer = trainer_model(v2_dir)  # a mixture of experts sends them stacked
+
     async def run() -> tuple[list[CompletionOutput], list[list[int]]]:
         llm = AsyncLLM(str(v1_dir), weight_transfer_config={"backend": "gloo"}, **ENGINE)
         try:

@@ -46,6 +46,7 @@ from hotswap.entrypoints.openai.responses import (
     ChatMessage,
     ChatStreamChoice,
     DeltaMessage,
+    encode_routed_experts,
 )
 from hotswap.entrypoints.openai.serving import (
     MergedStream,
@@ -243,6 +244,7 @@ def _chat_choice(ctx: ChatContext, comp: CompletionOutput) -> ChatChoice:
         stop_reason=comp.stop_reason,
         token_ids=list(comp.token_ids) if ctx.body.return_token_ids else None,
         weight_versions=weight_spans(comp.weight_versions),
+        routed_experts=encode_routed_experts(comp.routed_experts),
     )
 
 

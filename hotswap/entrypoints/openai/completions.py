@@ -27,6 +27,7 @@ from hotswap.entrypoints.openai.responses import (
     CompletionLogProbs,
     CompletionResponse,
     PromptLogprob,
+    encode_routed_experts,
 )
 from hotswap.entrypoints.openai.serving import (
     MergedStream,
@@ -157,6 +158,7 @@ def _choice(
         token_ids=list(comp.token_ids) if body.return_token_ids else None,
         prompt_token_ids=list(output.prompt_token_ids) if body.return_token_ids else None,
         weight_versions=weight_spans(comp.weight_versions),
+        routed_experts=encode_routed_experts(comp.routed_experts),
     )
 
 

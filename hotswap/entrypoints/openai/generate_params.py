@@ -50,7 +50,7 @@ _SHARED = (
     "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
     "spaces_between_special_tokens", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "prompt_logprobs", "allowed_token_ids", "bad_words",
-    "structured_outputs", "max_weight_lag",
+    "structured_outputs", "max_weight_lag", "routed_experts_prompt_start",
 )  # fmt: skip
 
 

@@ -79,7 +79,7 @@ class GenerateSamplingParams(RequestModel):
     skip_reading_prefix_cache: bool | None = None
     thinking_token_budget: Int64 | None = None
     repetition_detection: dict[str, Any] | None = None
-    routed_experts_prompt_start: Int64 = 0  # only read with routed experts, never returned
+    routed_experts_prompt_start: Int64 = 0  # with --enable-return-routed-experts
     trace_decode_token_ids: list[int] | None = None
     # hotswap extension (as on /v1/completions): abort instead of straddling more commits
     max_weight_lag: NonNegInt64 | None = None
@@ -182,7 +182,9 @@ class GenerateUsage(BaseModel):
 
 class GenerateChoice(BaseModel):
     """Fields shared by both output modes, streaming or not (vLLM's choice bases).
-    `routed_experts` and `sampling_mask` stay null: vLLM's value with those options off."""
+    `routed_experts` (with --enable-return-routed-experts, on the final choice) is
+    encoded as on /v1/completions; `sampling_mask` stays null (vLLM's value with that
+    option off)."""
 
     index: int
     finish_reason: str | None = None

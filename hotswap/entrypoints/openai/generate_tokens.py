@@ -50,7 +50,11 @@ from hotswap.entrypoints.openai.generate_protocol import (
     TextLogProbs,
 )
 from hotswap.entrypoints.openai.params import check_model, model_name
-from hotswap.entrypoints.openai.responses import ChatLogProb, ChatLogProbsContent
+from hotswap.entrypoints.openai.responses import (
+    ChatLogProb,
+    ChatLogProbsContent,
+    encode_routed_experts,
+)
 from hotswap.entrypoints.openai.serving import (
     MIN_LOGPROB,
     MergedStream,
@@ -167,6 +171,7 @@ def _choice(
         "stop_reason": comp.stop_reason,
         "token_ids": list(comp.token_ids),
         "weight_versions": spans,
+        "routed_experts": encode_routed_experts(comp.routed_experts),  # on the final output
     }
     if ctx.text_mode:
         return GenerateTextChoice(text=comp.text, logprobs=_text_logprobs(ctx, comp), **common)

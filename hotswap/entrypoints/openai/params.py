@@ -222,6 +222,7 @@ def sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             max_weight_lag=body.max_weight_lag,
+            routed_experts_prompt_start=body.routed_experts_prompt_start,
             logit_bias=logit_bias_of(body),
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words or None,

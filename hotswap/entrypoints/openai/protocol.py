@@ -144,6 +144,8 @@ class SamplingRequest(RequestModel):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # with --enable-return-routed-experts: skip the first N prompt tokens' experts
+    routed_experts_prompt_start: NonNegInt64 = 0
     # logits controls and structured outputs (vLLM's semantics; params.logits_controls,
     # constraints.structured_outputs_of)
     logit_bias: dict[str, float] | None = None

@@ -3,8 +3,11 @@ such as `weight_versions` added where vLLM has no field of that name)."""
 
 from __future__ import annotations
 
+import base64
+import io
 from typing import Any, ClassVar
 
+import numpy as np
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 
@@ -69,7 +72,7 @@ class PromptLogprob(ResponseModel):
 class CompletionChoice(ResponseModel):
     """A choice of a completion response, or of one stream chunk."""
 
-    omit_if_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
+    omit_if_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs", "routed_experts"})
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -79,6 +82,7 @@ class CompletionChoice(ResponseModel):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+    routed_experts: str | None = None  # encode_routed_experts
 
 
 class CompletionResponse(ResponseModel):
@@ -128,7 +132,7 @@ class DeltaMessage(ResponseModel):
 
 
 class ChatChoice(ResponseModel):
-    omit_if_none = frozenset({"token_ids"})
+    omit_if_none = frozenset({"token_ids", "routed_experts"})
     index: int
     message: ChatMessage
     logprobs: ChatChoiceLogProbs | None = None
@@ -136,6 +140,17 @@ class ChatChoice(ResponseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+    routed_experts: str | None = None  # encode_routed_experts
+
+
+def encode_routed_experts(rows: np.ndarray | None) -> str | None:
+    """vLLM's encoding of a choice's routed experts: base64 of the array's `.npy` bytes,
+    [positions, sparse layers, top_k]; read with np.load(io.BytesIO(b64decode(text)))."""
+    if rows is None:
+        return None
+    with io.BytesIO() as buffer:
+        np.save(buffer, rows, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 class ChatStreamChoice(ResponseModel):

@@ -6,8 +6,7 @@ Checkpoint q/k/v projections load into one fused `qkv_proj`, gate/up into `gate_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,72 +23,12 @@ from hotswap.model.layers import (
     RotaryEmbedding,
     apply_rotary,
     linear,
-    rope_parameters,
     silu_and_mul,
     tiled_linear,
     use_kernels,
 )
+from hotswap.model.models.spec import DecoderSpec
 from hotswap.model.packed import PackedWeight, packed_copy
-
-
-@dataclass(frozen=True)
-class DecoderSpec:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    max_positions: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    rope: dict[str, Any]
-
-    @classmethod
-    def from_hf(
-        cls,
-        cfg: dict[str, Any],
-        *,
-        qkv_bias: bool | None = None,
-        o_bias: bool | None = None,
-        qk_norm: bool = False,
-    ) -> DecoderSpec:
-        try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            attention_bias = bool(cfg.get("attention_bias", False))
-            spec = cls(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                intermediate_size=int(cfg["intermediate_size"]),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                max_positions=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=attention_bias if qkv_bias is None else qkv_bias,
-                o_bias=attention_bias if o_bias is None else o_bias,
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
-                qk_norm=qk_norm,
-                rope=rope_parameters(cfg),
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json: required key {e.args[0]!r} is missing") from None
-        if spec.num_heads % spec.num_kv_heads:
-            raise ValueError(
-                f"config.json: num_attention_heads ({spec.num_heads}) is not a multiple of "
-                f"num_key_value_heads ({spec.num_kv_heads})"
-            )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported")
-        return spec
 
 
 class Attention(nn.Module):
@@ -109,9 +48,12 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(q_size, spec.hidden_size, spec.o_bias, dtype, invariant)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype)
-        self.qk_norm = spec.qk_norm
+            q_norm, k_norm = (spec.head_dim,) * 2 if spec.qk_norm_per_head else (q_size, kv_size)
+            self.q_norm = RMSNorm(q_norm, spec.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(k_norm, spec.rms_norm_eps, dtype)
+        self.qk_norm = spec.qk_norm and spec.qk_norm_per_head
+        self.qk_norm_whole = spec.qk_norm and not spec.qk_norm_per_head
+        self.clip_qkv = spec.clip_qkv
         self.backend = backend
         self.scale = spec.head_dim**-0.5
         # The paged KV cache, bound by the runner; buffers, so a compiled graph takes them
@@ -123,6 +65,8 @@ class Attention(nn.Module):
     def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.qk_norm_whole or self.clip_qkv is not None:
+            qkv = self._whole_qk_norm_and_clip(qkv)
         heads, kv_heads = self.num_heads, self.num_kv_heads
         v = qkv[:, -self.split_sizes[2] :].view(tokens, kv_heads, self.head_dim)
         qk = qkv[:, : -self.split_sizes[2]].view(tokens, heads + kv_heads, self.head_dim)
@@ -140,11 +84,24 @@ class Attention(nn.Module):
         out = self.backend.forward(q, k, v, (self.k_cache, self.v_cache), meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
 
+    def _whole_qk_norm_and_clip(self, qkv: torch.Tensor) -> torch.Tensor:
+        """OLMoE: q and k each normalised as one vector (before the heads are split), then
+        q, k and v clamped to +-clip_qkv, in transformers' order."""
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        qkv = torch.cat([q, k, v], dim=-1)
+        if self.clip_qkv is not None:
+            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
+        return qkv
+
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec, dtype: torch.dtype, invariant: bool) -> None:
+    def __init__(
+        self, spec: DecoderSpec, dtype: torch.dtype, invariant: bool, size: int | None = None
+    ) -> None:
         super().__init__()
-        size = spec.intermediate_size
+        size = size or spec.intermediate_size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * size, spec.mlp_bias, dtype, invariant)
         self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, invariant)
         self.kernels: CpuKernels | None = None  # the fused activation when set
@@ -157,14 +114,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """`mlp`: the dense MLP, or a mixture-of-experts block (model/moe.py)."""
+
     def __init__(
-        self, spec: DecoderSpec, dtype: torch.dtype, backend: AttentionBackend, invariant: bool
+        self,
+        spec: DecoderSpec,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        invariant: bool,
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.self_attn = Attention(spec, dtype, backend, invariant)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = MLP(spec, dtype, invariant)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -194,6 +158,7 @@ class DecoderModel(nn.Module):
         backend: AttentionBackend,
         invariant: bool,
         head_dtype: torch.dtype,
+        make_mlp: Callable[[int], nn.Module],
     ) -> None:
         super().__init__()
         embed_dtype = head_dtype if spec.tie_word_embeddings else dtype
@@ -201,7 +166,8 @@ class DecoderModel(nn.Module):
             torch.empty(spec.vocab_size, spec.hidden_size, dtype=embed_dtype), False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, dtype, backend, invariant) for _ in range(spec.num_layers)
+            DecoderLayer(spec, dtype, backend, invariant, make_mlp(i))
+            for i in range(spec.num_layers)
         )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, head_dtype)
         self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
@@ -234,6 +200,8 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     o_bias: bool | None = None
     qk_norm = False
+    qk_norm_per_head = True
+    compilable = True  # decode steps may run as compiled graphs (model/compiled.py)
 
     def __init__(
         self,
@@ -245,18 +213,31 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         spec = DecoderSpec.from_hf(
-            hf_config, qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm
-        )
+            hf_config, qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm,
+            qk_norm_per_head=self.qk_norm_per_head,
+        )  # fmt: skip
         self.spec = spec
+        self.read_config(hf_config)
         self.batch_invariant = batch_invariant
         self.matvec: MatVec | None = None
         self.head_packed: PackedWeight | None = None
         head_dtype = head_dtype or dtype
-        self.model = DecoderModel(spec, dtype, backend, batch_invariant, head_dtype)
+        self.model = DecoderModel(
+            spec, dtype, backend, batch_invariant, head_dtype,
+            lambda layer: self.make_mlp(layer, dtype, batch_invariant),
+        )  # fmt: skip
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Parameter(
                 torch.empty(spec.vocab_size, spec.hidden_size, dtype=head_dtype), False
             )
+
+    def read_config(self, hf_config: dict[str, Any]) -> None:
+        """What a subclass reads from config.json beyond `self.spec`, before the layers are
+        built (mixture-of-experts models: their experts)."""
+
+    def make_mlp(self, layer: int, dtype: torch.dtype, invariant: bool) -> nn.Module:
+        """Layer `layer`'s feed-forward block (mixture-of-experts models override it)."""
+        return MLP(self.spec, dtype, invariant)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -297,8 +278,8 @@ class LlamaForCausalLM(nn.Module):
         """Output sizes of a linear layer's checkpoint shards (fused: q/k/v, gate/up)."""
         if module.endswith("qkv_proj"):
             return list(self.model.layers[0].self_attn.split_sizes)
-        if module.endswith("gate_up_proj"):
-            return [self.spec.intermediate_size] * 2
+        if module.endswith("gate_up_proj"):  # a dense MLP's or a shared expert's
+            return [self.get_submodule(module).weight.shape[0] // 2] * 2
         return [self.get_submodule(module).weight.shape[0]]
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -325,8 +306,8 @@ class LlamaForCausalLM(nn.Module):
                     f"model expects {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
-            loaded.add(f"{param_name}#{shard}" if shard is not None else param_name)
-        return loaded
+            loaded.add(self._key(param_name, shard))
+        return self.expand_keys(loaded)
 
     def expected_checkpoint_keys(self) -> set[str]:
         """What load_weights must have seen for the model to be complete (fused params
@@ -363,8 +344,7 @@ class LlamaForCausalLM(nn.Module):
         params = self.parameter_index()
         if param_name not in params:
             raise ValueError(f"weights: unknown parameter {name!r}")
-        key = f"{param_name}#{shard}" if shard is not None else param_name
-        return key, self._shard_view(params[param_name], param_name, shard)
+        return self._key(param_name, shard), self._shard_view(params[param_name], param_name, shard)
 
     def checkpoint_name(self, key: str) -> str:
         """The checkpoint tensor a key of `expected_checkpoint_keys()` is loaded from
@@ -378,7 +358,16 @@ class LlamaForCausalLM(nn.Module):
         parts[-2] = _SHARD_SOURCES[(parts[-2], int(shard))]
         return ".".join(parts)
 
-    def _map_name(self, name: str) -> tuple[str, int | None] | None:
+    def expand_keys(self, keys: set[str]) -> set[str]:
+        """`keys` with each key that stands for several expected keys (a stacked tensor of
+        every expert) replaced by them; dense models have none."""
+        return keys
+
+    @staticmethod
+    def _key(param_name: str, shard: Any) -> str:
+        return f"{param_name}#{shard}" if shard is not None else param_name
+
+    def _map_name(self, name: str) -> tuple[str, Any] | None:
         if name.endswith(_IGNORED_SUFFIXES):
             return None
         if name == "lm_head.weight":
@@ -391,7 +380,7 @@ class LlamaForCausalLM(nn.Module):
             return ".".join([*parts[:-2], fused, parts[-1]]), shard
         return name, None
 
-    def _shard_view(self, param: torch.Tensor, name: str, shard: int | None) -> torch.Tensor:
+    def _shard_view(self, param: torch.Tensor, name: str, shard: Any) -> torch.Tensor:
         if shard is None:
             return param.data
         sizes = self.shard_sizes(name.rsplit(".", 1)[0])

@@ -3,6 +3,12 @@
 from torch import nn
 
 from hotswap.model.models.llama import LlamaForCausalLM
+from hotswap.model.models.moe import (
+    MixtralForCausalLM,
+    OlmoeForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from hotswap.model.models.qwen2 import Qwen2ForCausalLM
 from hotswap.model.models.qwen3 import Qwen3ForCausalLM
 
@@ -10,6 +16,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 

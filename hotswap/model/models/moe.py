@@ -1,0 +1,131 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE (a gated shared expert), Mixtral and
+OLMoE. Attention is the Llama family's; the feed-forward blocks are model/moe.py's.
+
+Checkpoints name each expert's projections apart (`mlp.experts.3.gate_proj.weight`;
+Mixtral: `block_sparse_moe.experts.3.w1.weight`); they load into the stacked parameters
+as shards `(expert, part)`, one expected key each, so a round may update some experts
+only. transformers 5's own stacked names (`mlp.experts.gate_up_proj`) load whole.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from hotswap.model.models.llama import MLP, LlamaForCausalLM
+from hotswap.model.moe import MoESpec, SparseMoeBlock
+
+_EXPERT_TENSOR = re.compile(
+    r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+# projection -> (stacked parameter, part: gate 0 / up 1 of gate_up_proj; None: down_proj)
+_PROJECTIONS = {
+    "gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None), "w2": ("down_proj", None),
+}  # fmt: skip
+_STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    mixtral = False  # Mixtral's config keys and checkpoint names
+    compilable = False  # routing is data-dependent: decode steps run eagerly
+
+    def read_config(self, hf_config: dict[str, Any]) -> None:
+        if self.mixtral and hf_config.get("sliding_window") is not None:
+            raise ValueError("config.json: sliding_window attention is not supported")
+        self.moe = MoESpec.from_hf(hf_config, self.spec.num_layers, mixtral=self.mixtral)
+
+    def make_mlp(self, layer: int, dtype: torch.dtype, invariant: bool) -> nn.Module:
+        if layer not in self.moe.sparse_layers:
+            return MLP(self.spec, dtype, invariant)
+        shared = self.moe.shared_expert_size
+        shared_expert = MLP(self.spec, dtype, invariant, shared) if shared else None
+        return SparseMoeBlock(self.moe, self.spec.hidden_size, dtype, invariant, shared_expert)
+
+    def sparse_blocks(self) -> list[SparseMoeBlock]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def routed_expert_ids(self) -> torch.Tensor:
+        """The experts the last forward chose: [tokens, sparse layers, top_k]."""
+        return torch.stack([block.last_expert_ids for block in self.sparse_blocks()], dim=1)
+
+    # -- checkpoint names -----------------------------------------------------------------
+    def _map_name(self, name: str) -> tuple[str, Any] | None:
+        match = _EXPERT_TENSOR.match(name)
+        if match is None:
+            return super()._map_name(name.replace(".block_sparse_moe.", ".mlp."))
+        expert = int(match["expert"])
+        if expert >= self.moe.num_experts:
+            raise ValueError(
+                f"weights: unknown parameter {name!r} (the model has {self.moe.num_experts} "
+                f"experts per layer)"
+            )
+        stacked, part = _PROJECTIONS[match["proj"]]
+        return f"{match['layer']}.mlp.experts.{stacked}", (expert, part)
+
+    @staticmethod
+    def _key(param_name: str, shard: Any) -> str:
+        if isinstance(shard, tuple):
+            expert, part = shard
+            return f"{param_name}#{expert}" + ("" if part is None else f".{part}")
+        return LlamaForCausalLM._key(param_name, shard)
+
+    def _shard_view(self, param: torch.Tensor, name: str, shard: Any) -> torch.Tensor:
+        if not isinstance(shard, tuple):
+            return super()._shard_view(param, name, shard)
+        expert, part = shard
+        weight = param.data[expert]
+        if part is None:
+            return weight
+        size = weight.shape[0] // 2
+        return weight.narrow(0, part * size, size)
+
+    def _list_expected_keys(self) -> set[str]:
+        return self.expand_keys(super()._list_expected_keys())
+
+    def expand_keys(self, keys: set[str]) -> set[str]:
+        expanded = set()
+        for key in keys:
+            if key.endswith(_STACKED[0]):
+                expanded.update(f"{key}#{e}.{p}" for e in range(self.moe.num_experts)
+                                for p in (0, 1))  # fmt: skip
+            elif key.endswith(_STACKED[1]):
+                expanded.update(f"{key}#{e}" for e in range(self.moe.num_experts))
+            else:
+                expanded.add(key)
+        return expanded
+
+    def checkpoint_name(self, key: str) -> str:
+        name, _, shard = key.partition("#")
+        if name.endswith(_STACKED):
+            expert, _, part = shard.partition(".")
+            layer, stacked = name.removesuffix(".weight").rsplit(".mlp.experts.", 1)
+            names = ("w1", "w3", "w2") if self.mixtral else ("gate_proj", "up_proj", "down_proj")
+            proj = names[2] if stacked == "down_proj" else names[int(part)]
+            block = "block_sparse_moe" if self.mixtral else "mlp"
+            return f"{layer}.{block}.experts.{expert}.{proj}.weight"
+        found = super().checkpoint_name(key)
+        return found.replace(".mlp.", ".block_sparse_moe.") if self.mixtral else found
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    qk_norm = True
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    qkv_bias = True
+    o_bias = False
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    mixtral = True
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    qk_norm = True
+    qk_norm_per_head = False  # q and k normalised whole, before the heads are split

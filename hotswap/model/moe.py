@@ -1,0 +1,161 @@
+"""Mixture-of-experts blocks: a router, experts' weights stacked, an optional shared expert.
+
+Layout (transformers 5's own, so its `state_dict()` names load as they are):
+`mlp.gate.weight` [experts, hidden], `mlp.experts.gate_up_proj` [experts, 2 x inter,
+hidden] (gate rows, then up rows) and `mlp.experts.down_proj` [experts, hidden, inter].
+
+A step's (token, slot) pairs are sorted by expert once; each expert's rows then run as one
+GEMM pair on a view of its weights (no copy), so the Python loop is over the experts a
+step hits, never over tokens. Measured against one padded batched matmul over all the
+experts in benchmarks/moe.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hotswap.model.kernels import CpuKernels
+from hotswap.model.layers import Linear, linear, silu_and_mul, tiled_linear
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to one
+    shared_expert_size: int  # 0: no shared expert (Qwen2-MoE has one, gated)
+    sparse_layers: frozenset[int]  # the others are dense MLPs
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], num_layers: int, *, mixtral: bool = False) -> MoESpec:
+        """Mixtral always renormalises (its router has no `norm_topk_prob`); Qwen2/3-MoE
+        may keep some layers dense (`mlp_only_layers`, `decoder_sparse_step`), as
+        transformers does."""
+        try:
+            # transformers 5 writes num_local_experts for every family; hub configs of
+            # Qwen-MoE and OLMoE say num_experts
+            experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
+            top_k = int(cfg["num_experts_per_tok"])
+            inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        except KeyError as e:
+            raise ValueError(f"config.json: required key {e.args[0]!r} is missing") from None
+        if not 1 <= top_k <= experts:
+            raise ValueError(
+                f"config.json: num_experts_per_tok ({top_k}) must be between 1 and the "
+                f"number of experts ({experts})"
+            )
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        sparse = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return cls(
+            num_experts=experts,
+            top_k=top_k,
+            intermediate_size=inter,
+            norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+            shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            sparse_layers=sparse,
+        )
+
+
+def route(logits: torch.Tensor, top_k: int, normalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, top_k] float32, expert ids [tokens, top_k]) as transformers'
+    routers: softmax in float32 over every expert, top-k (descending), optionally
+    renormalised."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class FusedExperts(nn.Module):
+    def __init__(
+        self, experts: int, hidden: int, inter: int, dtype: torch.dtype, invariant: bool
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(experts, 2 * inter, hidden, dtype=dtype), False
+        )
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), False)
+        self.invariant = invariant
+        self.kernels: CpuKernels | None = None  # GEMV and fused activation when set
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]), for each token t."""
+        tokens, top_k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        rows = x.index_select(0, order // top_k)
+        grouped = torch.empty_like(rows)
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                grouped[start : start + n] = self._expert(rows[start : start + n], expert)
+                start += n
+        out = torch.empty_like(grouped)
+        out[order] = grouped  # back to (token, slot) order
+        # Each token sums its own slots in slot order: the same for any batch around it.
+        mixed = (out.view(tokens, top_k, -1).float() * weights[..., None]).sum(dim=1)
+        return mixed.to(x.dtype)
+
+    def _expert(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
+        gate_up = self._linear(rows, self.gate_up_proj[expert])
+        if self.kernels is not None:
+            hidden = self.kernels.silu_and_mul(gate_up)
+        else:
+            hidden = silu_and_mul(gate_up)
+        return self._linear(hidden, self.down_proj[expert])
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return tiled_linear(x, weight, None)
+        matvec = self.kernels.gemv if self.kernels is not None else None
+        return linear(x, weight, None, matvec)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and (Qwen2-MoE) a shared expert behind a sigmoid gate.
+    `last_expert_ids` holds the experts of the last forward's tokens [tokens, top_k],
+    for routing replay (read by the runner after the step; never copied otherwise)."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        hidden: int,
+        dtype: torch.dtype,
+        invariant: bool,
+        shared_expert: nn.Module | None,
+    ) -> None:
+        super().__init__()
+        self.top_k, self.normalise = spec.top_k, spec.norm_topk_prob
+        self.gate = Linear(hidden, spec.num_experts, False, dtype, invariant)
+        self.experts = FusedExperts(
+            spec.num_experts, hidden, spec.intermediate_size, dtype, invariant
+        )
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = Linear(hidden, 1, False, dtype, invariant)
+        self.last_expert_ids: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.normalise)
+        self.last_expert_ids = ids
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def row_sigmoid(logit: torch.Tensor) -> torch.Tensor:
+    """sigmoid of a [tokens, 1] column, as the softmax of each row's (logit, 0). torch's
+    elementwise kernels round exp differently in their vector body and their scalar tail,
+    and which elements fall in the tail depends on the number of tokens: a row's gate
+    would then depend on the batch around it. Softmax runs row by row (within 1e-7 of
+    torch.sigmoid)."""
+    return torch.softmax(torch.cat([logit, torch.zeros_like(logit)], dim=-1), dim=-1)[:, :1]

@@ -1,0 +1,95 @@
+"""Routing replay over HTTP, as vLLM serves it: `--enable-return-routed-experts`, the
+request's `routed_experts_prompt_start`, and each choice's `routed_experts` (base64 of a
+`.npy` array [positions, sparse layers, top_k]) on /v1/completions, /v1/chat/completions
+and /inference/v1/generate, read with the real openai client and checked against the
+top-k of transformers' router."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers.server import RemoteServer
+from tests.model.test_routed_experts import reference_experts
+
+# One server for the module: slow.
+pytestmark = pytest.mark.slow
+
+MODEL = "moe"
+GREEDY = {"temperature": 0.0, "max_tokens": 5}
+EXTRA = {"ignore_eos": True, "return_token_ids": True}
+
+
+def decode(text: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[RemoteServer]:
+    args = ("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "512",
+            "--enable-return-routed-experts", "--log-level", "warning")  # fmt: skip
+    with RemoteServer(model_dir, *args) as remote:
+        yield remote
+
+
+def test_completions_return_the_experts_from_the_prompt_start(server, model_dir) -> None:
+    client = server.openai()
+    out = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", **GREEDY,
+        extra_body={**EXTRA, "routed_experts_prompt_start": 3},
+    )  # fmt: skip
+    choice = out.choices[0]
+    fed = choice.prompt_token_ids + choice.token_ids[:-1]
+    rows = decode(choice.routed_experts)
+    assert rows.dtype == np.uint8 and rows.shape == (len(fed) - 3, 2, 2)
+    np.testing.assert_array_equal(rows, reference_experts(model_dir, fed)[3:])
+
+
+def test_chat_returns_every_fed_position(server, model_dir) -> None:
+    messages = [{"role": "user", "content": "Which experts did I use?"}]
+    out = server.openai().chat.completions.create(
+        model=MODEL, messages=messages, **GREEDY, extra_body=EXTRA
+    )
+    choice = out.choices[0]
+    tokens = (
+        server.client()
+        .post("/tokenize", json={"model": MODEL, "messages": messages})
+        .json()["tokens"]
+    )
+    fed = tokens + choice.token_ids[:-1]
+    np.testing.assert_array_equal(decode(choice.routed_experts), reference_experts(model_dir, fed))
+
+
+def test_token_in_token_out_returns_them_too(server, model_dir) -> None:
+    ids = [5, 17, 33, 80, 101, 7, 9]
+    body = {
+        "model": MODEL,
+        "token_ids": ids,
+        "sampling_params": {**GREEDY, "ignore_eos": True, "routed_experts_prompt_start": 2},
+    }
+    choice = server.client().post("/inference/v1/generate", json=body).json()["choices"][0]
+    fed = ids + choice["token_ids"][:-1]
+    np.testing.assert_array_equal(decode(choice["routed_experts"]),
+                                  reference_experts(model_dir, fed)[2:])  # fmt: skip
+
+
+def test_streams_carry_no_experts_and_a_negative_start_is_refused(server) -> None:
+    stream = server.openai().completions.create(model=MODEL, prompt="stream", stream=True,
+                                                **GREEDY)  # fmt: skip
+    assert all(getattr(chunk.choices[0], "routed_experts", None) is None for chunk in stream)
+    bad = server.client().post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "routed_experts_prompt_start": -1},
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "body.routed_experts_prompt_start"
