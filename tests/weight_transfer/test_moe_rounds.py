@@ -36,21 +36,18 @@ def digest(path: Path) -> str:
     return LLM(str(path), dtype="float32", progress=False).get_weight_info()["digest"]
 
 
+@pytest.mark.parametrize("backend", ["ipc", "gloo"])  # gloo: packed broadcast buffers
 @pytest.mark.parametrize("form", ["per-expert names", "stacked (transformers 5)"])
-def test_a_full_round_equals_the_checkpoint_it_came_from(dirs, form: str) -> None:
+def test_a_full_round_equals_the_checkpoint_it_came_from(dirs, form: str, backend: str) -> None:
     v1, v2 = dirs
-    llm = make_llm(v1)
+    llm = make_llm(v1, backend)
     if form == "per-expert names":
         source = TensorSource(sorted(checkpoint(v2).items()))
     else:
         source = ModuleSource(trainer_model(v2))
         assert any(name.endswith("mlp.experts.gate_up_proj") for name, _ in source)
-    send_source(llm, source)
+    send(llm, list(source), backend)
     assert llm.get_weight_info()["digest"] == digest(v2)
-
-
-def send_source(llm: LLM, source) -> None:  # noqa: ANN001
-    send(llm, list(source))
 
 
 def test_a_round_may_update_some_experts_only(dirs) -> None:

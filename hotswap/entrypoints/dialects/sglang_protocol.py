@@ -72,6 +72,8 @@ class GenerateRequest(RequestModel):
     cache_salt: Any = None  # str or one per prompt
     return_prompt_token_ids: bool = False
     lora_path: Any = None  # a loaded LoRA adapter's name, or one (or null) per prompt
+    # bool or one per prompt: meta_info.routed_experts (--enable-return-routed-experts)
+    return_routed_experts: Any = None
     # Routing and observability hints with no meaning on one hotswap server: ignored.
     log_metrics: Any = None
     routed_dp_rank: Any = None
@@ -91,7 +93,6 @@ class GenerateRequest(RequestModel):
     token_ids_logprob: Any = None
     session_params: Any = None
     return_hidden_states: Any = None
-    return_routed_experts: Any = None
     return_entropy: Any = None
     return_sampling_mask: Any = None
     return_flat_raw_top_logprobs: Any = None
@@ -121,7 +122,6 @@ DEFAULT_ONLY = [
     "token_ids_logprob",
     "session_params",
     "return_hidden_states",
-    "return_routed_experts",
     "return_entropy",
     "return_sampling_mask",
     "return_flat_raw_top_logprobs",

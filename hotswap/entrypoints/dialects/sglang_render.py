@@ -20,8 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.openai.params import EnginePrompt
+from hotswap.entrypoints.openai.responses import sglang_routed_experts
 from hotswap.entrypoints.openai.serving import MergedStream, clamp_logprob
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
@@ -54,6 +57,7 @@ class Job:
     # max_new_tokens 0 (scoring a prompt): the engine samples one token, never returned
     prefill_only: bool = False
     no_stop_trim: bool = False
+    routed_experts: bool = False  # return_routed_experts
 
 
 def job_stream(engine: AsyncLLM, jobs: Sequence[Job]) -> MergedStream:
@@ -78,6 +82,7 @@ class ItemState:
     token_logprobs: list[list[Any]] = field(default_factory=list)
     top_logprobs: list[list[list[Any]] | None] = field(default_factory=list)
     spans: list[WeightVersionSpan] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None  # on the final output
     label: str | None = None  # of the weights behind the latest token, returned or not
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -102,6 +107,7 @@ class ItemState:
         if not self.job.prefill_only:
             self._add_tokens(delta)
         if delta.finish_reason is not None:
+            self.routed_experts = delta.routed_experts
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.latency = time.monotonic() - self.started
             if self._trims_stop_token():
@@ -195,6 +201,8 @@ class ItemState:
             if spec.top > 0:
                 meta["input_top_logprobs"] = self.input_top or []
                 meta["output_top_logprobs"] = self.top_logprobs
+        if self.job.routed_experts and self.routed_experts is not None:
+            meta["routed_experts"] = sglang_routed_experts(self.routed_experts)
         if self.latency is not None:
             meta["e2e_latency"] = self.latency
         return meta

@@ -59,10 +59,14 @@ async def plan_jobs(
         lambda: [prepare_prompt(engine, value, param=param) for value, param in inputs]
     )
     specs = _logprob_specs(body, prompts)
+    routed = _per_prompt(
+        body.return_routed_experts, len(inputs), "return_routed_experts", _is_bool, False
+    )
     jobs = []
     for i, (prompt, (fields, prefix)) in enumerate(zip(prompts, samplings)):
         prompt.cache_salt, prompt.lora_request = salts[i], loras[i]
         jobs.append(_job(prompt, fields, prefix, specs[i], rids[i], body.stream))
+        jobs[-1].routed_experts = bool(routed[i])
     structured = get_server_config(request).structured_outputs  # the server's defaults
     for job in jobs:
         structured.apply(job.params.structured_outputs)

@@ -153,6 +153,13 @@ def encode_routed_experts(rows: np.ndarray | None) -> str | None:
         return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def sglang_routed_experts(rows: np.ndarray) -> str:
+    """SGLang's encoding: base64 of the int32 ids, flat in [positions, layers, top_k] order
+    (no header: the reader reshapes by the model's layers and top_k). Its layers here are
+    the sparse ones: SGLang's buffer also holds (zero) rows for a model's dense layers."""
+    return base64.b64encode(rows.astype(np.int32).tobytes()).decode("ascii")
+
+
 class ChatStreamChoice(ResponseModel):
     omit_if_none = frozenset({"token_ids"})
     index: int
@@ -165,7 +172,7 @@ class ChatStreamChoice(ResponseModel):
 
 
 class ChatCompletionResponse(ResponseModel):
-    omit_if_none = frozenset({"prompt_token_ids", "usage", "prompt_logprobs"})
+    omit_if_none = frozenset({"prompt_token_ids", "usage", "prompt_logprobs", "sglext"})
     id: str
     object: str = "chat.completion"
     created: int
@@ -175,6 +182,8 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    # SGLang's extensions: {"routed_experts": ...} for its return_routed_experts
+    sglext: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(ResponseModel):

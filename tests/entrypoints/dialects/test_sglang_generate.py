@@ -383,7 +383,7 @@ BAD = [
     ({"text": "x", "rid": 5}, "body.rid"),
     ({"text": ["a", "b"], "rid": ["same", "same"]}, "body.rid"),
     ({"text": "x", "stream": "maybe"}, "body.stream"),
-    ({"text": "x", "return_routed_experts": True}, "body.return_routed_experts"),
+    ({"text": "x", "return_routed_experts": "yes"}, "body.return_routed_experts"),
     ({"text": "x", "lora_path": "adapter"}, "body.lora_path"),
     ({"text": "x", "image_data": ["img.png"]}, "body.image_data"),
 ]  # fmt: skip

@@ -1723,8 +1723,8 @@ GPU_ONLY = {
     "test_sleep_mode.py GPU-memory assertions": "GPU free bytes (their flag checks run above)",
     "test_cumem_physical.py::TestSleepWakeWithGraphPool (2 tests)": "CUDA graphs + cumem",
     "test_multi_gpu.py (4 tests)": "TP=2 on two GPUs",
-    "consistency/test_routed_experts.py (2 tests)": "MoE model (hotswap has no MoE support) "
-    "with --enable-return-routed-experts, TP2+DP2 on four GPUs",
+    "consistency/test_routed_experts.py (2 tests)": "TP2+DP2 on four GPUs (routing replay "
+    "itself: tests/entrypoints/openai/test_routed_experts.py)",
     "state_transitions/test_weight_checker.py::TestWeightCheckerTP2DP2EP": "TP2/DP2/EP on "
     "four GPUs",
     "test_weight_update.py::TestWeightUpdateWithTensors": "skipped by vLLM unless "

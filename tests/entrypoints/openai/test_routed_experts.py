@@ -93,3 +93,38 @@ def test_streams_carry_no_experts_and_a_negative_start_is_refused(server) -> Non
     )
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "body.routed_experts_prompt_start"
+
+
+def sglang_decode(text: str) -> np.ndarray:
+    """As SGLang's clients read it: int32, reshaped by the model's layers and top_k."""
+    return np.frombuffer(base64.b64decode(text), dtype=np.int32).reshape(-1, 2, 2)
+
+
+def test_sglang_generate_returns_them_in_meta_info(server, model_dir) -> None:
+    body = {
+        "input_ids": [[5, 17, 33, 80], [101, 7, 9]],
+        "return_routed_experts": [True, False],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+    }
+    first, second = server.client().post("/generate", json=body).json()
+    fed = [5, 17, 33, 80] + first["output_ids"][:-1]
+    np.testing.assert_array_equal(sglang_decode(first["meta_info"]["routed_experts"]),
+                                  reference_experts(model_dir, fed))  # fmt: skip
+    assert "routed_experts" not in second["meta_info"]  # that prompt did not ask
+    bad = server.client().post("/generate", json={**body, "return_routed_experts": "yes"})
+    assert bad.status_code == 400 and "return_routed_experts" in bad.json()["error"]["message"]
+
+
+def test_sglang_chat_returns_them_in_sglext(server, model_dir) -> None:
+    messages = [{"role": "user", "content": "Route me."}]
+    body = {"model": MODEL, "messages": messages, **GREEDY, **EXTRA,
+            "return_routed_experts": True}  # fmt: skip
+    out = server.client().post("/v1/chat/completions", json=body).json()
+    tokens = (
+        server.client()
+        .post("/tokenize", json={"model": MODEL, "messages": messages})
+        .json()["tokens"]
+    )
+    fed = tokens + out["choices"][0]["token_ids"][:-1]
+    np.testing.assert_array_equal(sglang_decode(out["sglext"]["routed_experts"]),
+                                  reference_experts(model_dir, fed))  # fmt: skip
