@@ -15,6 +15,7 @@ utils/weight_versions.py):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -183,16 +184,7 @@ class ItemState:
             "weight_version": self.label,
             # SGLang's per-token provenance spans (version = the label), with hotswap's
             # committed version number and staleness (KV from older weights) added.
-            "weight_versions": [
-                {
-                    "version": s.label,
-                    "start": s.start,
-                    "end": s.end,
-                    "committed_version": s.version,
-                    "stale": s.stale,
-                }
-                for s in self.spans
-            ],
+            "weight_versions": [_span_json(s) for s in self.spans],
         }
         spec = self.job.logprobs
         if spec is not None:
@@ -240,6 +232,14 @@ def _top(entries: dict[int, Logprob], k: int, with_text: bool) -> list[list[Any]
     return [_entry(token, lp, with_text) for _, token, lp in ranked]
 
 
+def _span_json(span: WeightVersionSpan) -> dict[str, Any]:
+    found: dict[str, Any] = {"version": span.label, "start": span.start, "end": span.end,
+                             "committed_version": span.version, "stale": span.stale}  # fmt: skip
+    if span.lora_name is not None:  # the adapter that produced them, and its version
+        found |= {"lora_name": span.lora_name, "lora_version": span.lora_version}
+    return found
+
+
 def _merge_spans(spans: list[WeightVersionSpan], new: Sequence[WeightVersionSpan]) -> None:
     """Append a delta's spans (absolute token indexes), joining a span that continues the
     last one on the same weights."""
@@ -247,14 +247,13 @@ def _merge_spans(spans: list[WeightVersionSpan], new: Sequence[WeightVersionSpan
         last = spans[-1] if spans else None
         if (
             last is not None
-            and (last.version, last.stale) == (span.version, span.stale)
+            and (last.version, last.stale, last.lora_version)
+            == (span.version, span.stale, span.lora_version)
             and last.end >= span.start
         ):
             last.end = max(last.end, span.end)
         else:
-            spans.append(
-                WeightVersionSpan(span.version, span.label, span.start, span.end, span.stale)
-            )
+            spans.append(dataclasses.replace(span))
 
 
 async def fill_missing_labels(engine: AsyncLLM, items: Sequence[ItemState]) -> None:

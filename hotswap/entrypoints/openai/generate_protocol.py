@@ -164,6 +164,9 @@ class GenerateWeightSpan(BaseModel):
     label: str
     weight_gen: int
     stale: bool = False
+    # the LoRA adapter that produced them and its loaded version (omitted: the base)
+    lora_name: str | None = Field(default=None, exclude_if=lambda v: v is None)
+    lora_version: int | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class GeneratePromptTokensDetails(BaseModel):

@@ -184,12 +184,13 @@ def weight_spans_of(spans: Sequence[WeightVersionSpan]) -> list[GenerateWeightSp
     merged: list[WeightVersionSpan] = []
     for span in spans:
         last = merged[-1] if merged else None
-        same = last is not None and (last.version, last.label, last.stale, last.end) == (
-            span.version,
-            span.label,
-            span.stale,
-            span.start,
-        )
+        same = last is not None and (
+            last.version,
+            last.label,
+            last.stale,
+            last.lora_version,
+            last.end,
+        ) == (span.version, span.label, span.stale, span.lora_version, span.start)
         if same:
             merged[-1] = replace(last, end=span.end)  # type: ignore[arg-type]
         else:
@@ -202,6 +203,8 @@ def weight_spans_of(spans: Sequence[WeightVersionSpan]) -> list[GenerateWeightSp
             label=s.label,
             weight_gen=s.version,
             stale=s.stale,
+            lora_name=s.lora_name,
+            lora_version=s.lora_version,
         )
         for s in merged
     ]

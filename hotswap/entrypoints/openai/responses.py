@@ -39,11 +39,16 @@ class UsageInfo(ResponseModel):
 
 
 class WeightVersionSpanInfo(ResponseModel):
+    """With a LoRA adapter: its name and loaded version (the base model: omitted)."""
+
+    omit_if_none = frozenset({"lora_name", "lora_version"})
     version: int
     label: str
     start: int
     end: int
     stale: bool = False
+    lora_name: str | None = None
+    lora_version: int | None = None
 
 
 class CompletionLogProbs(ResponseModel):

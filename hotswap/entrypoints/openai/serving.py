@@ -122,8 +122,14 @@ async def collect_final(request: Request, stream: MergedStream) -> list[RequestO
 def weight_spans(spans: Sequence[WeightVersionSpan]) -> list[WeightVersionSpanInfo]:
     return [
         WeightVersionSpanInfo(
-            version=s.version, label=s.label, start=s.start, end=s.end, stale=s.stale
-        )
+            version=s.version,
+            label=s.label,
+            start=s.start,
+            end=s.end,
+            stale=s.stale,
+            lora_name=s.lora_name,
+            lora_version=s.lora_version,
+        )  # fmt: skip
         for s in spans
     ]
 

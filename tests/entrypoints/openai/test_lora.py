@@ -163,6 +163,27 @@ def test_reload_in_place_unload_then_404(http, client, adapters) -> None:
     assert "swap" not in models(client)
 
 
+def test_spans_name_the_adapter_and_its_version_on_every_route(http, client, adapters) -> None:
+    assert load(http, "prov", adapters["a"]).status_code == 200
+    assert load(http, "prov", adapters["b"], load_inplace=True).status_code == 200  # version 2
+    spans = client.completions.create(model="prov", prompt=PROMPT, **GREEDY).choices[0]
+    assert [(s["lora_name"], s["lora_version"]) for s in spans.model_extra["weight_versions"]] \
+        == [("prov", 2)]  # fmt: skip
+    chat = client.chat.completions.create(model="prov", messages=MESSAGES, **GREEDY)
+    assert chat.choices[0].model_extra["weight_versions"][0]["lora_version"] == 2
+    body = {"model": "prov", "token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
+    generated = http.post("/inference/v1/generate", json=body).json()["choices"][0]
+    assert generated["weight_versions"][0]["lora_name"] == "prov"
+    sglang = http.post(
+        "/generate",
+        json={"input_ids": PROMPT, "lora_path": "prov", "sampling_params": {"max_new_tokens": 2}},
+    ).json()
+    assert sglang["meta_info"]["weight_versions"][0]["lora_version"] == 2
+    base = client.completions.create(model=MODEL, prompt=PROMPT, **GREEDY).choices[0]
+    assert "lora_name" not in base.model_extra["weight_versions"][0]  # the base model's
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "prov"}).status_code == 200
+
+
 @pytest.mark.parametrize(("adapter", "message"), [
     ("no-config", "lora_path: no adapter_config.json in it"),
     ("rank128", "r = 128 exceeds --max-lora-rank 64"),
