@@ -232,3 +232,25 @@ def test_lora_refused_when_not_enabled(tiny_llama: Path, adapters) -> None:
     plain = LLM(str(tiny_llama), dtype="float32", progress=False)
     with pytest.raises(Exception, match="--enable-lora"):
         run(plain, LoRARequest("a", 1, str(adapters["attn-r8"])))
+
+
+def test_adapters_on_a_mixture_of_experts_equal_peft(tiny_model_factory, tmp_path: Path) -> None:
+    """Attention and the shared expert of Qwen2-MoE take adapters; routed experts do not."""
+    model_dir = tiny_model_factory("qwen2_moe")
+    path = write_peft_adapter(model_dir, tmp_path / "moe", 8, ATTENTION + MLP, seed=3)
+    assert any(
+        "shared_expert.gate_proj" in k for k in load_file(path / "adapter_model.safetensors")
+    )
+    llm = LLM(str(model_dir), dtype="float32", enable_lora=True, max_lora_rank=8, progress=False)
+    completion = run(llm, LoRARequest("moe", 1, str(path))).outputs[0]
+    expected = reference_logprobs(peft_reference(model_dir, path), PROMPT, completion.token_ids)
+    got = torch.tensor(sampled_logprobs(completion))
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    tensors = load_file(path / "adapter_model.safetensors")
+    prefix = "base_model.model.model.layers.0.mlp.experts.3.gate_proj"
+    tensors[f"{prefix}.lora_A.weight"] = torch.zeros(8, 64)
+    tensors[f"{prefix}.lora_B.weight"] = torch.zeros(32, 8)
+    routed = shutil.copytree(path, tmp_path / "routed")
+    save_file(tensors, str(routed / "adapter_model.safetensors"))
+    with pytest.raises(InvalidArgument, match="routed expert"):
+        run(llm, LoRARequest("routed", 2, str(routed)))
