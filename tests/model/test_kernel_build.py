@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hotswap.model.kernels import load_cpu_kernels
-from hotswap.model.kernels.build import library_dir
+from hotswap.model.kernels.build import _builder_lock, library_dir
 
 pytestmark = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -39,10 +39,11 @@ def test_a_built_library_loads_past_a_dead_builders_lock_file(tmp_path: Path) ->
     assert load_in_subprocess(tmp_path, timeout=60) == "True"  # before: waited forever
 
 
-@pytest.mark.slow
-def test_a_build_proceeds_past_a_dead_builders_lock_file(tmp_path: Path) -> None:
-    target = tmp_path / library_dir().relative_to(library_dir().parent.parent.parent)
-    target.mkdir(parents=True)
-    (target / "lock").touch()
-    assert load_in_subprocess(tmp_path, timeout=600) == "True"  # built from scratch
-    assert (target / f"{target.name}.so").exists()
+def test_a_builder_clears_a_dead_builders_lock_file(tmp_path: Path) -> None:
+    """The build path: holding the flock, torch's lock file can only be a dead builder's,
+    so it is removed before the build starts (a fresh build itself runs once per machine,
+    in the suite's first engine start)."""
+    (tmp_path / "lock").touch()
+    with _builder_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+        assert (tmp_path / "builder.flock").exists()
