@@ -50,9 +50,10 @@ def test_a_full_round_equals_the_checkpoint_it_came_from(dirs, form: str, backen
     assert llm.get_weight_info()["digest"] == digest(v2)
 
 
-def test_a_round_may_update_some_experts_only(dirs) -> None:
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_a_round_may_update_some_experts_only(dirs, double_buffer: bool) -> None:
     v1, v2 = dirs
-    llm = make_llm(v1)
+    llm = make_llm(v1, double_buffer=double_buffer)  # True: written into the shadow copy
     new = checkpoint(v2)
     sent = [EXPERT.format(3, proj) for proj in ("gate_proj", "up_proj", "down_proj")]
     send(llm, [(name, new[name]) for name in sent])
