@@ -49,7 +49,7 @@ class CompletionOutput:
     weight_versions: list[WeightVersionSpan] = field(default_factory=list)
     # With --enable-return-routed-experts, on the final output: the experts each position
     # fed to the model was routed to, [prompt + output tokens - 1 -
-    # routed_experts_prompt_start, sparse layers, top_k] (vLLM's field and shape)
+    # routed_experts_prompt_start, decoder layers, top_k] (vLLM's field and shape)
     routed_experts: np.ndarray | None = None
 
     @property

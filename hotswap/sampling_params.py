@@ -224,6 +224,16 @@ class SamplingParams:
                 message = f"{name}: out-of-vocabulary token ids {bad[:5]} (vocab {vocab_size})"
                 raise InvalidArgument(name, message)
 
+    def check_prompt_length(self, prompt_len: int) -> None:
+        """What depends on the prompt's length (vLLM's check and message, made whether or
+        not routed experts are returned)."""
+        if self.routed_experts_prompt_start > prompt_len:
+            raise InvalidArgument(
+                "routed_experts_prompt_start",
+                f"routed_experts_prompt_start must be between 0 and the prompt length "
+                f"({prompt_len}), inclusive.",
+            )
+
     def _validate_penalties(self) -> None:
         _require(
             _is_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 100.0,

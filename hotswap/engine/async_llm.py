@@ -111,6 +111,7 @@ class AsyncLLM:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, ids = encode_prompt(self.tokenizer, prompt)
         check_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
+        params.check_prompt_length(len(ids))
         prepare_params(params, self.tokenizer, self.config.model.vocab_size)
         salt = prompt_cache_salt(prompt)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()

@@ -31,8 +31,8 @@ class TokenLogprobsMsg(msgspec.Struct, array_like=True):
 
 
 class RoutedExpertsMsg(msgspec.Struct, array_like=True):
-    """Rows [positions, sparse layers, top_k] of expert ids, C order, numpy dtype `dtype`
-    (uint8, uint16 or int32 by the number of experts, as vLLM's)."""
+    """Rows [positions, decoder layers, top_k] of expert ids, C order, numpy dtype
+    `dtype` (uint8, or uint16 beyond 256 experts, as vLLM's)."""
 
     data: bytes
     dtype: str

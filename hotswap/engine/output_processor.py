@@ -42,7 +42,7 @@ class ChoiceState:
         position that was fed to the model (the last sampled token never was), as vLLM's."""
         if not self.routed_experts:
             return None
-        skipped = min(self.params.routed_experts_prompt_start, self.num_prompt_tokens)
+        skipped = self.params.routed_experts_prompt_start  # at most the prompt's length
         rows = self.num_prompt_tokens + len(self.token_ids) - 1 - skipped
         return np.concatenate(self.routed_experts)[: max(rows, 0)]
 

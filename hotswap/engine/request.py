@@ -100,8 +100,7 @@ class Request:
     @property
     def routed_experts_start(self) -> int:
         """The first position whose experts are still to be read."""
-        skipped = min(self.sampling_params.routed_experts_prompt_start, self.num_prompt_tokens)
-        return max(self.routed_experts_end, skipped)
+        return max(self.routed_experts_end, self.sampling_params.routed_experts_prompt_start)
 
     def add_routed_experts(self, rows: np.ndarray) -> None:
         """Rows read from `routed_experts_start` on."""

@@ -48,6 +48,7 @@ class RequestManager:
         if req.request_id in self.scheduler.requests:
             raise InvalidArgument("request_id", f"request_id: {req.request_id!r} is already in use")
         req.sampling_params.check_token_ids(self.vocab_size)
+        req.sampling_params.check_prompt_length(len(req.prompt_token_ids))
         if req.lora_name is not None:
             self.loras.resolve(req.lora_name, self.adapters_in_use())
 

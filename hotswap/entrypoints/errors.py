@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hotswap.engine.errors import EngineDeadError, EngineStateError
+from hotswap.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
 
 async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
     message = str(exc)
-    param = param_of(message)
+    # a refusal names its field; other ValueErrors start with it, by convention
+    param = exc.field if isinstance(exc, InvalidArgument) else param_of(message)
     return error_response(400, message, f"body.{param}" if param else None)
 
 

@@ -91,26 +91,22 @@ class FusedExperts(nn.Module):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        hit = [expert for expert, n in enumerate(counts) if n]
+        sizes = [counts[expert] for expert in hit]
         rows = x.index_select(0, order // top_k)
-        grouped = torch.empty_like(rows)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                grouped[start : start + n] = self._expert(rows[start : start + n], expert)
-                start += n
+        # Two passes over the experts hit, the activation once between them: per expert
+        # only its two products run from Python (decode hits many experts with 1-2 rows).
+        up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up = torch.cat([self._linear(segment, up[expert])
+                             for segment, expert in zip(rows.split(sizes), hit)])  # fmt: skip
+        hidden = self.kernels.silu_and_mul(gate_up) if self.kernels else silu_and_mul(gate_up)
+        grouped = torch.cat([self._linear(segment, down[expert])
+                             for segment, expert in zip(hidden.split(sizes), hit)])  # fmt: skip
         out = torch.empty_like(grouped)
         out[order] = grouped  # back to (token, slot) order
         # Each token sums its own slots in slot order: the same for any batch around it.
         mixed = (out.view(tokens, top_k, -1).float() * weights[..., None]).sum(dim=1)
         return mixed.to(x.dtype)
-
-    def _expert(self, rows: torch.Tensor, expert: int) -> torch.Tensor:
-        gate_up = self._linear(rows, self.gate_up_proj[expert])
-        if self.kernels is not None:
-            hidden = self.kernels.silu_and_mul(gate_up)
-        else:
-            hidden = silu_and_mul(gate_up)
-        return self._linear(hidden, self.down_proj[expert])
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.invariant:

@@ -43,7 +43,7 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> logprobs of the prompt tokens scored this step, in prompt order
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # request id -> experts [positions, sparse layers, top_k] of the positions from its
+    # request id -> experts [positions, layers, top_k] of the positions from its
     # routed_experts_start on that became known this step
     routed_experts: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -113,9 +113,9 @@ class ModelRunner:
         moe = getattr(self.model, "moe", None)
         if not self.config.return_routed_experts or moe is None:
             return None
-        layers = len(moe.sparse_layers)
+        layers, sparse = self.model.spec.num_layers, sorted(moe.sparse_layers)
         slots = self.num_blocks * self.block_size
-        return RoutedExpertsBuffer(slots, layers, moe.top_k, moe.num_experts, self.device)
+        return RoutedExpertsBuffer(slots, layers, sparse, moe.top_k, moe.num_experts, self.device)
 
     def _prepack(self) -> list[PackedWeight]:
         """Packed copies of the bf16 linear weights, if the fast CPU path runs and the

@@ -16,16 +16,20 @@ GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 
 
 def reference_experts(model_dir, ids: list[int]) -> np.ndarray:  # noqa: ANN001
-    """[positions, sparse layers, top_k]: the top-k of transformers' router probabilities
-    (its router logits, one tensor per sparse layer) for `ids` fed as one sequence."""
+    """[positions, decoder layers, top_k]: the top-k of transformers' router probabilities
+    (its router logits, one tensor per sparse layer) for `ids` fed as one sequence; a
+    dense layer's rows are zero, as vLLM's and SGLang's."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     top_k = model.config.num_experts_per_tok
     with torch.no_grad():
         logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
-    chosen = [torch.topk(torch.softmax(r.float(), dim=-1), top_k, dim=-1).indices for r in logits]
-    return torch.stack(chosen, dim=1).numpy()
+    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+    rows = torch.zeros(len(ids), len(model.model.layers), top_k, dtype=torch.long)
+    for layer, r in zip(sparse, logits, strict=True):
+        rows[:, layer] = torch.topk(torch.softmax(r.float(), dim=-1), top_k, dim=-1).indices
+    return rows.numpy()
 
 
 def engine(model_dir, **kw) -> LLM:  # noqa: ANN001
@@ -51,15 +55,20 @@ def test_prompt_start_skips_prompt_rows_and_cache_hits_keep_theirs(tiny_model_fa
     prompt = PROMPTS[4]
     first = llm.generate([prompt], SamplingParams(**GREEDY), use_tqdm=False)[0]
     full = first.outputs[0].routed_experts
-    assert full.shape[1:] == (2, 2)  # layers 0 and 2 are sparse, top-2
+    assert full.shape[1:] == (3, 2)  # every layer, top-2; layer 1 is dense: zero rows
+    assert not full[:, 1].any() and full[:, [0, 2]].any()
     again = llm.generate(
         [prompt], SamplingParams(**GREEDY, routed_experts_prompt_start=5), use_tqdm=False
     )[0]
     assert again.num_cached_tokens > 0  # the cached positions' experts are still returned
     np.testing.assert_array_equal(again.outputs[0].routed_experts, full[5:])
-    beyond = SamplingParams(**GREEDY, routed_experts_prompt_start=10_000)
-    rows = llm.generate([prompt], beyond, use_tqdm=False)[0].outputs[0].routed_experts
-    np.testing.assert_array_equal(rows, full[len(first.prompt_token_ids) :])  # output rows
+    prompt_len = len(first.prompt_token_ids)
+    whole = SamplingParams(**GREEDY, routed_experts_prompt_start=prompt_len)
+    rows = llm.generate([prompt], whole, use_tqdm=False)[0].outputs[0].routed_experts
+    np.testing.assert_array_equal(rows, full[prompt_len:])  # the output's rows only
+    beyond = SamplingParams(**GREEDY, routed_experts_prompt_start=prompt_len + 1)
+    with pytest.raises(ValueError, match=r"between 0 and the prompt length \(\d+\), inclusive"):
+        llm.generate([prompt], beyond, use_tqdm=False)  # vLLM's check and message
     with pytest.raises(ValueError, match="routed_experts_prompt_start"):
         SamplingParams(routed_experts_prompt_start=-1)
 

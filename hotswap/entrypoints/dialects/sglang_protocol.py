@@ -74,6 +74,7 @@ class GenerateRequest(RequestModel):
     lora_path: Any = None  # a loaded LoRA adapter's name, or one (or null) per prompt
     # bool or one per prompt: meta_info.routed_experts (--enable-return-routed-experts)
     return_routed_experts: Any = None
+    routed_experts_start_len: Any = None  # the first position returned (with the above)
     # Routing and observability hints with no meaning on one hotswap server: ignored.
     log_metrics: Any = None
     routed_dp_rank: Any = None

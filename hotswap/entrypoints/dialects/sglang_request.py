@@ -59,14 +59,14 @@ async def plan_jobs(
         lambda: [prepare_prompt(engine, value, param=param) for value, param in inputs]
     )
     specs = _logprob_specs(body, prompts)
-    routed = _per_prompt(
-        body.return_routed_experts, len(inputs), "return_routed_experts", _is_bool, False
-    )
+    routed = _routed_experts(body, prompts)
     jobs = []
     for i, (prompt, (fields, prefix)) in enumerate(zip(prompts, samplings)):
         prompt.cache_salt, prompt.lora_request = salts[i], loras[i]
         jobs.append(_job(prompt, fields, prefix, specs[i], rids[i], body.stream))
-        jobs[-1].routed_experts = bool(routed[i])
+        if routed[i] is not None:
+            jobs[-1].routed_experts = True
+            jobs[-1].params.routed_experts_prompt_start = routed[i]
     structured = get_server_config(request).structured_outputs  # the server's defaults
     for job in jobs:
         structured.apply(job.params.structured_outputs)
@@ -264,6 +264,27 @@ def _is_bool(value: Any) -> bool:
 
 def _is_int(value: Any) -> bool:
     return value is None or type(value) is int
+
+
+def _routed_experts(body: GenerateRequest, prompts: list[EnginePrompt]) -> list[int | None]:
+    """Per prompt: the first position whose experts return_routed_experts asks for
+    (routed_experts_start_len, 0 to the prompt's length as SGLang checks), or None."""
+    count = len(prompts)
+    wanted = _per_prompt(body.return_routed_experts, count, "return_routed_experts",
+                         _is_bool, False)  # fmt: skip
+    starts = _per_prompt(body.routed_experts_start_len, count, "routed_experts_start_len",
+                         _is_int, 0)  # fmt: skip
+    found: list[int | None] = []
+    for want, start, prompt in zip(wanted, starts, prompts):
+        if want and not 0 <= start <= len(prompt.token_ids):
+            raise APIError(
+                400,
+                f"routed_experts_start_len: must be between 0 and the number of input "
+                f"tokens ({len(prompt.token_ids)}), got {start}",
+                "body.routed_experts_start_len",
+            )
+        found.append(start if want else None)
+    return found
 
 
 def _logprob_specs(body: GenerateRequest, prompts: list[EnginePrompt]) -> list[LogprobSpec | None]:

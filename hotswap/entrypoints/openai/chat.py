@@ -47,7 +47,7 @@ from hotswap.entrypoints.openai.responses import (
     ChatStreamChoice,
     DeltaMessage,
     encode_routed_experts,
-    sglang_routed_experts,
+    sglext_of,
 )
 from hotswap.entrypoints.openai.serving import (
     MergedStream,
@@ -225,16 +225,8 @@ def chat_response(ctx: ChatContext, final: RequestOutput) -> ChatCompletionRespo
         usage=make_usage(len(final.prompt_token_ids), num_completion, cached),
         prompt_token_ids=list(final.prompt_token_ids) if body.return_token_ids else None,
         prompt_logprobs=prompt_logprobs_info(final.prompt_logprobs),
-        sglext=_sglext(body, final),
+        sglext=sglext_of(body, final),
     )
-
-
-def _sglext(body: ChatCompletionRequest, final: RequestOutput) -> dict[str, Any] | None:
-    """SGLang's return_routed_experts: the first choice's experts in its encoding."""
-    rows = final.outputs[0].routed_experts if final.outputs else None
-    if not body.return_routed_experts or rows is None:
-        return None
-    return {"routed_experts": sglang_routed_experts(rows)}
 
 
 def _chat_choice(ctx: ChatContext, comp: CompletionOutput) -> ChatChoice:

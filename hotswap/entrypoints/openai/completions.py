@@ -26,8 +26,10 @@ from hotswap.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogProbs,
     CompletionResponse,
+    CompletionStreamChoice,
     PromptLogprob,
     encode_routed_experts,
+    sglext_of,
 )
 from hotswap.entrypoints.openai.serving import (
     MergedStream,
@@ -138,7 +140,7 @@ def completion_response(ctx: CompletionContext, finals: list[RequestOutput]) -> 
             num_completion += len(comp.token_ids)
             choices.append(_choice(ctx, p_index, output, comp))
     usage = make_usage(num_prompt, num_completion, num_cached if ctx.cached_details else None)
-    return ctx.chunk(choices, usage=usage)
+    return ctx.chunk(choices, usage=usage, sglext=sglext_of(ctx.body, finals[0]))
 
 
 def _choice(
@@ -268,7 +270,7 @@ async def stream_completion(ctx: CompletionContext, stream: MergedStream) -> Asy
 
 def _echo_choice(ctx: CompletionContext, index: int, p_index: int) -> CompletionChoice:
     prompt_ids = ctx.prompts[p_index].token_ids
-    return CompletionChoice(
+    return CompletionStreamChoice(
         index=index,
         text=ctx.echo_texts[p_index],
         prompt_token_ids=list(prompt_ids) if ctx.body.return_token_ids else None,
@@ -279,7 +281,7 @@ def _echo_choice(ctx: CompletionContext, index: int, p_index: int) -> Completion
 def _stream_choice(
     ctx: CompletionContext, index: int, delta: CompletionOutput, text_offset: int
 ) -> CompletionChoice:
-    return CompletionChoice(
+    return CompletionStreamChoice(
         index=index,
         text=delta.text,
         logprobs=_logprobs(ctx, delta, text_offset),

@@ -222,7 +222,7 @@ def sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             spaces_between_special_tokens=body.spaces_between_special_tokens,
             max_weight_lag=body.max_weight_lag,
-            routed_experts_prompt_start=body.routed_experts_prompt_start,
+            routed_experts_prompt_start=routed_experts_start(body),
             logit_bias=logit_bias_of(body),
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words or None,
@@ -235,6 +235,21 @@ def sampling_params(
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
+
+
+def routed_experts_start(body: SamplingRequest) -> int:
+    """vLLM's routed_experts_prompt_start, or SGLang's routed_experts_start_len (read, as
+    SGLang does, only with its return_routed_experts)."""
+    if body.routed_experts_prompt_start or not body.return_routed_experts:
+        return body.routed_experts_prompt_start
+    if body.routed_experts_start_len < 0:
+        raise APIError(
+            400,
+            f"routed_experts_start_len: {body.routed_experts_start_len} is lower than 0; use "
+            "a non-negative routed_experts_start_len",
+            "body.routed_experts_start_len",
+        )
+    return body.routed_experts_start_len
 
 
 def _field_error(error: ValueError, body: SamplingRequest) -> APIError:

@@ -146,7 +146,9 @@ class SamplingRequest(RequestModel):
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # with --enable-return-routed-experts: skip the first N prompt tokens' experts
     routed_experts_prompt_start: NonNegInt64 = 0
-    return_routed_experts: bool = False  # SGLang's spelling: sglext.routed_experts (chat)
+    # SGLang's spelling: sglext.routed_experts, rows from routed_experts_start_len
+    return_routed_experts: bool = False
+    routed_experts_start_len: Int64 = 0
     # logits controls and structured outputs (vLLM's semantics; params.logits_controls,
     # constraints.structured_outputs_of)
     logit_bias: dict[str, float] | None = None

@@ -10,6 +10,8 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
+from hotswap.outputs import RequestOutput
+
 
 class ResponseModel(BaseModel):
     """Serializes every field, except that the optional extensions named in `omit_if_none`
@@ -77,7 +79,7 @@ class PromptLogprob(ResponseModel):
 class CompletionChoice(ResponseModel):
     """A choice of a completion response, or of one stream chunk."""
 
-    omit_if_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs", "routed_experts"})
+    omit_if_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -87,13 +89,19 @@ class CompletionChoice(ResponseModel):
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
-    routed_experts: str | None = None  # encode_routed_experts
+    routed_experts: str | None = None  # encode_routed_experts; null: none (as vLLM)
+
+
+class CompletionStreamChoice(CompletionChoice):
+    """A choice of a stream chunk: vLLM's stream choices have no `routed_experts`."""
+
+    omit_if_none = CompletionChoice.omit_if_none | {"routed_experts"}
 
 
 class CompletionResponse(ResponseModel):
     """A completion, or (object `text_completion` too, as OpenAI does) one stream chunk."""
 
-    omit_if_none = frozenset({"usage"})
+    omit_if_none = frozenset({"usage", "sglext"})
     id: str
     object: str = "text_completion"
     created: int
@@ -101,6 +109,7 @@ class CompletionResponse(ResponseModel):
     choices: list[CompletionChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
+    sglext: dict[str, Any] | None = None  # SGLang's extensions (sglext_of)
 
 
 class ChatLogProb(ResponseModel):
@@ -137,7 +146,7 @@ class DeltaMessage(ResponseModel):
 
 
 class ChatChoice(ResponseModel):
-    omit_if_none = frozenset({"token_ids", "routed_experts"})
+    omit_if_none = frozenset({"token_ids"})
     index: int
     message: ChatMessage
     logprobs: ChatChoiceLogProbs | None = None
@@ -150,7 +159,7 @@ class ChatChoice(ResponseModel):
 
 def encode_routed_experts(rows: np.ndarray | None) -> str | None:
     """vLLM's encoding of a choice's routed experts: base64 of the array's `.npy` bytes,
-    [positions, sparse layers, top_k]; read with np.load(io.BytesIO(b64decode(text)))."""
+    [positions, decoder layers, top_k]; read with np.load(io.BytesIO(b64decode(text)))."""
     if rows is None:
         return None
     with io.BytesIO() as buffer:
@@ -163,6 +172,15 @@ def sglang_routed_experts(rows: np.ndarray) -> str:
     (no header: the reader reshapes by the model's layers and top_k). Its layers here are
     the sparse ones: SGLang's buffer also holds (zero) rows for a model's dense layers."""
     return base64.b64encode(rows.astype(np.int32).tobytes()).decode("ascii")
+
+
+def sglext_of(body: Any, final: RequestOutput) -> dict[str, Any] | None:
+    """SGLang's `sglext` for its return_routed_experts (a request field of both OpenAI
+    routes): the first choice's experts, in its encoding, as SGLang returns them."""
+    rows = final.outputs[0].routed_experts if final.outputs else None
+    if not getattr(body, "return_routed_experts", False) or rows is None:
+        return None
+    return {"routed_experts": sglang_routed_experts(rows)}
 
 
 class ChatStreamChoice(ResponseModel):
