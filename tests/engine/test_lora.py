@@ -234,6 +234,7 @@ def test_lora_refused_when_not_enabled(tiny_llama: Path, adapters) -> None:
         run(plain, LoRARequest("a", 1, str(adapters["attn-r8"])))
 
 
+@pytest.mark.slow  # an engine of its own
 def test_adapters_on_a_mixture_of_experts_equal_peft(tiny_model_factory, tmp_path: Path) -> None:
     """Attention and the shared expert of Qwen2-MoE take adapters; routed experts do not."""
     model_dir = tiny_model_factory("qwen2_moe")

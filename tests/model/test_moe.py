@@ -66,6 +66,7 @@ def test_grouped_experts_equal_the_per_token_definition(invariant: bool) -> None
             assert torch.equal(got, alone)
 
 
+@pytest.mark.slow  # engines
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_prefix_cache_hits_match_transformers(tiny_model_factory, arch: str) -> None:
     model_dir = tiny_model_factory(arch)
@@ -78,6 +79,7 @@ def test_prefix_cache_hits_match_transformers(tiny_model_factory, arch: str) -> 
         assert out.outputs[0].token_ids == tokens, out.prompt
 
 
+@pytest.mark.slow  # an engine
 def test_batch_invariant_engine_gives_each_prompt_the_same_bits_alone_or_batched(
     tiny_model_factory,
 ) -> None:

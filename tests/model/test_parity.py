@@ -59,7 +59,12 @@ def run_engine(model_dir, prompts, max_new_tokens: int, **engine_args):  # noqa:
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch-ops"])
 @pytest.mark.parametrize(
-    "arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
+    "arch",
+    ["llama", "qwen2", "qwen3"]  # the mixtures of experts: slow, beyond the smoke set
+    + [
+        pytest.param(a, marks=pytest.mark.slow)
+        for a in ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+    ],
 )
 def test_tiny_model_matches_transformers(tiny_model_factory, arch: str, cpu_kernels: bool) -> None:
     model_dir = tiny_model_factory(arch)

@@ -12,6 +12,9 @@ import torch
 from hotswap import LLM, SamplingParams
 from tests.model.test_parity import PROMPTS
 
+# Engines, one or more per test: slow.
+pytestmark = pytest.mark.slow
+
 GREEDY = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
 
 

@@ -104,7 +104,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         name, _, shard = key.partition("#")
         if name.endswith(_STACKED):
             expert, _, part = shard.partition(".")
-            layer, stacked = name.removesuffix(".weight").rsplit(".mlp.experts.", 1)
+            layer, stacked = name.rsplit(".mlp.experts.", 1)
             names = ("w1", "w3", "w2") if self.mixtral else ("gate_proj", "up_proj", "down_proj")
             proj = names[2] if stacked == "down_proj" else names[int(part)]
             block = "block_sparse_moe" if self.mixtral else "mlp"
