@@ -123,6 +123,8 @@ class EngineConfig:
     enable_sleep_mode: bool = False
     weight_transfer: WeightTransferConfig | None = None
     data_parallel_rank: int = 0  # which engine core this is (unseeded sampling differs)
+    # ranks the model is split over (model/parallel.py): rank 0 here, the others workers
+    tensor_parallel_size: int = 1
     logprobs_mode: str = "raw_logprobs"  # vLLM's: raw_/processed_ logprobs/logits
     # Disk reloads read only files whose real path lies under one of these (real paths).
     allowed_weight_dirs: tuple[Path, ...] = ()

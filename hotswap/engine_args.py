@@ -75,6 +75,12 @@ class EngineArgs:
     )
     # Set per engine core by the data-parallel front-end, never by a user: no flag.
     data_parallel_rank: int = 0
+    tensor_parallel_size: int = arg(
+        1,
+        "ranks each engine core's model is split over (vLLM's flag): rank 0 in the engine "
+        "core, the others in worker processes, one gloo group (NCCL on CUDA)",
+        aliases=("-tp",),
+    )
     data_parallel_backend: str = arg(
         "mp",
         "where the engine cores run: mp, child processes; ray, Ray actors (one "
@@ -201,6 +207,7 @@ class EngineArgs:
             head_dtype=self._head_dtype(),
         )
         check_positive("data_parallel_size", self.data_parallel_size)
+        self._check_tensor_parallel()
         check_data_parallel_backend(self.data_parallel_backend, self.ray_address)
         if self.num_threads is not None:
             check_positive("num_threads", self.num_threads)
@@ -212,8 +219,9 @@ class EngineArgs:
             device=check_device(self.device),
             tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
             enable_sleep_mode=self.enable_sleep_mode,
-            weight_transfer=WeightTransferConfig.parse(self.weight_transfer_config),
+            weight_transfer=self._weight_transfer_config(),
             data_parallel_rank=self.data_parallel_rank,
+            tensor_parallel_size=self.tensor_parallel_size,
             logprobs_mode=check_logprobs_mode(self.logprobs_mode),
             allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
             worker_extension_cls=check_class_path(self.worker_extension_cls),
@@ -226,6 +234,35 @@ class EngineArgs:
             lora=self._lora_config(),
             return_routed_experts=bool(self.enable_return_routed_experts),
         )
+
+    def _weight_transfer_config(self) -> WeightTransferConfig | None:
+        config = WeightTransferConfig.parse(self.weight_transfer_config)
+        if config is not None and config.double_buffer and self.tensor_parallel_size > 1:
+            raise InvalidArgument(
+                "weight_transfer_config.double_buffer",
+                "weight_transfer_config.double_buffer: not supported with "
+                "tensor_parallel_size > 1 yet",
+            )
+        return config
+
+    def _check_tensor_parallel(self) -> None:
+        """What does not run tensor-parallel yet is refused here, naming its flag."""
+        check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size == 1:
+            return
+        refused = {
+            "enable_lora": self.enable_lora,
+            "worker_extension_cls": self.worker_extension_cls is not None,
+            "data_parallel_backend": self.data_parallel_backend == "ray",
+            "enable_return_routed_experts": self.enable_return_routed_experts,
+        }
+        for name, value in refused.items():
+            if value:
+                raise InvalidArgument(
+                    name,
+                    f"{name}: not supported with tensor_parallel_size > 1 yet "
+                    f"(got tensor_parallel_size={self.tensor_parallel_size})",
+                )
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

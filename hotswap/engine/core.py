@@ -65,6 +65,7 @@ class EngineCore:
         self.round_timeout_s = transfer.round_timeout_s if transfer is not None else 0.0
         self.weight_sync = WeightSync(
             self.runner.model,
+            self.runner,
             config.weight_transfer,
             torch.device(config.device),
             config.allowed_weight_dirs,
@@ -204,6 +205,10 @@ class EngineCore:
 
     def committed_weights(self, digest: bool) -> dict[str, object]:
         return self.weight_manager.committed(digest)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (none without tensor parallelism)."""
+        self.runner.close()
 
     # -- stats and RPC --------------------------------------------------------------------
     def get_stats(self) -> dict[str, int | float | str]:

@@ -40,6 +40,7 @@ from hotswap.engine.messages import (
     UtilityCall,
     UtilityResult,
 )
+from hotswap.model.parallel import TensorParallelError
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,8 @@ class EngineCoreLoop:
             logger.exception("engine core loop died")
             self.failed = True
             self.emit(EngineCoreOutputs(engine_error=traceback.format_exc()))
+        finally:
+            self.core.close()  # from this thread: the one that talks to the TP workers
 
     # -- inputs ---------------------------------------------------------------------------
     def _process_inputs(self, block: bool) -> None:
@@ -213,7 +216,10 @@ class EngineCoreLoop:
             return None, e
         except Exception as e:  # noqa: BLE001
             # Control calls validate before they change anything, so a failure is the
-            # caller's error, not the engine's death.
+            # caller's error, not the engine's death; unless the tensor-parallel ranks
+            # failed: they may now hold different weights, so the engine stops.
+            if isinstance(e, TensorParallelError) or isinstance(e.__cause__, TensorParallelError):
+                raise
             logger.exception("control call %s failed", call.verb)
             return None, e
 

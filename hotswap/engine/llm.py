@@ -122,6 +122,11 @@ class LLM:
         """Call `method` of the worker extension (`worker_extension_cls`); one result."""
         return self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (nothing to stop without them); the
+        LLM serves nothing afterwards. Unreferenced, they are stopped at exit at the latest."""
+        self.engine.close()
+
     # -- the verbs' methods (verb_methods.py): parameters are the verbs' arguments -------
     reset_prefix_cache = verb_method("reset_prefix_cache")
 

@@ -101,10 +101,7 @@ class SleepManager:
         if level >= 1:
             self.runner.free_kv_cache()
             self.runner.weights_changed()  # packed copies go to sleep with the weights
-            if level == 2:
-                self.runner.residency.discard()
-            else:
-                self.runner.residency.offload()
+            self.runner.offload_weights(level == 1)  # level 2 discards them
             self.weight_sync.release_buffers()
             self.runner.release_cached_memory()
         self.state.level = max(self.state.level, level)
@@ -116,7 +113,7 @@ class SleepManager:
         for tag in order:
             if tag == WEIGHTS:
                 self.runner.weights_changed()
-                if not self.runner.residency.restore():
+                if not self.runner.restore_weights():
                     state.weights_missing = True
             elif tag == KV_CACHE:
                 self.runner.restore_kv_cache()

@@ -4,10 +4,12 @@ and what it has received so far."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from hotswap.engine.weight_targets import WeightTargets
 from hotswap.model.lora_stage import AdapterStage
@@ -52,3 +54,28 @@ def fresh_allocator(device: torch.device):  # noqa: ANN202 - an Allocator
 def drain(items: Iterator[tuple[str, torch.Tensor]]) -> None:
     for _ in items:
         pass
+
+
+class ModelWriter(Protocol):
+    """Writes checkpoint tensors and sparse deltas into a model (ModelRunner: on every
+    tensor-parallel rank)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+    def apply_deltas(self, deltas: list[tuple[str, Delta]]) -> None: ...
+
+
+class LocalWriter:
+    """ModelWriter for a model (or an adapter's stage) in this process alone."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return self.model.load_weights(weights)
+
+    def apply_deltas(self, deltas: list[tuple[str, Delta]]) -> None:
+        for name, delta in deltas:
+            target = self.model.checkpoint_view(name)
+            if target is not None:
+                flat = target[1].view(-1)  # checkpoint views are contiguous row ranges
+                flat[delta.indices] = delta.values.to(flat.dtype)

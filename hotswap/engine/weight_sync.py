@@ -26,10 +26,18 @@ from torch import nn
 from hotswap.engine.double_buffer import ShadowWeights, fits
 from hotswap.engine.errors import EngineStateError
 from hotswap.engine.verbs import InlineTensor
-from hotswap.engine.weight_round import Round, WeightApplyError, drain, fresh_allocator
+from hotswap.engine.weight_round import (
+    LocalWriter,
+    ModelWriter,
+    Round,
+    WeightApplyError,
+    drain,
+    fresh_allocator,
+)
 from hotswap.engine.weight_targets import WeightTargets, claimed_entry
 from hotswap.errors import InvalidArgument
 from hotswap.model.lora_stage import AdapterStage
+from hotswap.model.parallel import TensorParallelError
 from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
 from hotswap.weight_transfer.config import WeightTransferConfig
@@ -42,11 +50,14 @@ class WeightSync:
     def __init__(
         self,
         model: nn.Module,
+        writer: ModelWriter,
         config: WeightTransferConfig | None,
         device: torch.device,
         allowed_weight_dirs: tuple[Path, ...] | None = None,
     ) -> None:
         self.model, self.config, self.device = model, config, device
+        # What writes a committed round into the model (on every tensor-parallel rank).
+        self.writer = writer
         # Where disk rounds may read (real paths; None: anywhere): see EngineArgs.
         self.allowed_weight_dirs = allowed_weight_dirs
         self.transfer: WeightTransferEngine | None = None
@@ -107,6 +118,12 @@ class WeightSync:
         config = self._require_config()
         if not isinstance(is_checkpoint_format, bool):
             raise InvalidArgument("is_checkpoint_format", "is_checkpoint_format: must be a boolean")
+        if not is_checkpoint_format and adapter is None and self.model.tp.parallel:
+            raise InvalidArgument(
+                "is_checkpoint_format",
+                "is_checkpoint_format: engine-format rounds (hotswap's fused parameters) "
+                "are not supported with tensor_parallel_size > 1; send checkpoint tensors",
+            )
         if self.round_open:
             raise EngineStateError(
                 "start_weight_update: a round is already open; call finish_weight_update first"
@@ -344,18 +361,23 @@ class WeightSync:
             self.shadow.swap()
             return
         model = round_.targets.model
+        # The model's own weights go through the writer (every rank); an adapter's stage
+        # is this process's alone.
+        writer = self.writer if model is self.model else LocalWriter(model)
         try:
             if round_.is_checkpoint_format:
-                model.load_weights(round_.staged.items())
+                writer.load_weights(round_.staged.items())
+                if round_.deltas:
+                    writer.apply_deltas(round_.deltas)
             else:
                 params = model.parameter_index()
                 for name, tensor in round_.staged.items():
                     params[name].copy_(tensor)
-            for name, delta in round_.deltas:
-                target = round_.targets.target(name, round_.is_checkpoint_format)
-                if target is not None:
-                    flat = target[1].view(-1)  # checkpoint views are contiguous row ranges
+                for name, delta in round_.deltas:
+                    flat = params[name].data.view(-1)
                     flat[delta.indices] = delta.values.to(flat.dtype)
+        except TensorParallelError:
+            raise  # the ranks failed: nothing serves again (every later collective refuses)
         except Exception as e:
             raise WeightApplyError(
                 f"finish_weight_update: writing the weights failed midway ({type(e).__name__}: "

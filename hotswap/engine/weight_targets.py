@@ -61,11 +61,19 @@ class WeightTargets:
             found = None
         else:
             dest = target[1]
-            found = (tuple(dest.shape), dest.is_floating_point(), dest.dtype)
+            found = (self._full_shape(name, dest, checkpoint), dest.is_floating_point(),
+                     dest.dtype)  # fmt: skip
             if not dest.numel():
                 return found  # maybe a sleeping placeholder (rounds refuse then): not cached
         self._destinations[key] = found
         return found
+
+    def _full_shape(self, name: str, dest: torch.Tensor, checkpoint: bool) -> tuple[int, ...]:
+        """The shape sent for `name`: the whole checkpoint tensor, of which a
+        tensor-parallel rank holds a slice (an adapter's stage holds whole tensors)."""
+        slice_of = getattr(self.model, "checkpoint_slice", None)
+        piece = slice_of(name) if checkpoint and slice_of is not None else None
+        return tuple(dest.shape) if piece is None else piece.full_shape(tuple(dest.shape))
 
     def missing(self, staged: set[str], checkpoint: bool) -> list[str]:
         if not checkpoint:

@@ -226,13 +226,17 @@ class WeightManager:
         return self._digest[1]
 
     def checksums(self) -> dict[str, str] | None:
-        """vLLM's per-tensor checksums: SHA-256 of each weight's bytes, keyed
-        `dp{rank}:pp0:pcp0:tp0:ep0:{name}` (one engine core is one dp rank, unsharded).
+        """vLLM's per-tensor checksums: SHA-256 of each weight's bytes (each rank's share),
+        keyed `dp{rank}:pp0:pcp0:tp{rank}:ep0:{name}` (one engine core is one dp rank).
         None while the weights sleep."""
         if not self.runner.residency.resident:
             return None
-        prefix = f"dp{self.config.data_parallel_rank}:pp0:pcp0:tp0:ep0:"
-        return {prefix + name: sha for name, sha in self.runner.weight_checksums().items()}
+        dp = self.config.data_parallel_rank
+        return {
+            f"dp{dp}:pp0:pcp0:tp{tp}:ep0:{name}": sha
+            for tp, sums in enumerate(self.runner.weight_checksums())
+            for name, sha in sums.items()
+        }
 
     def info(self) -> dict[str, object]:
         """{version, label, digest} of the loaded weights (digest None while they sleep)."""

@@ -91,12 +91,20 @@ class Linear(nn.Module):
         self.packed: PackedWeight | None = None
         # adapter slots (model/lora.py LinearLoRA), set by the runner with --enable-lora
         self.lora: Any = None
+        # Row-parallel (tensor parallelism): this rank's product is a partial sum over its
+        # input columns, summed across ranks (model/parallel.py TPGroup); the bias, whole on
+        # every rank, is added once, after the sum.
+        self.reduce: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.reduce is None else None
         if self.batch_invariant:
-            out = tiled_linear(x, self.weight, self.bias)
+            out = tiled_linear(x, self.weight, bias)
         else:
-            out = linear(x, self.weight, self.bias, self.matvec, self.packed)
+            out = linear(x, self.weight, bias, self.matvec, self.packed)
+        if self.reduce is not None:
+            out = self.reduce.all_reduce(out)
+            return out if self.bias is None else out + self.bias
         return out if self.lora is None else self.lora.add_to(x, out)
 
 

@@ -13,6 +13,7 @@ from hotswap.config import ModelConfig
 from hotswap.errors import InvalidArgument
 from hotswap.model.attention import AttentionBackend
 from hotswap.model.models.registry import get_model_class
+from hotswap.model.parallel import TPGroup
 from hotswap.model.safetensors_io import iter_safetensors, num_tensors, safetensors_files
 
 
@@ -22,13 +23,14 @@ def build_model(
     batch_invariant: bool,
     progress: bool = True,
     device: torch.device | str = "cpu",
+    tp: TPGroup | None = None,
 ) -> nn.Module:
     """The model with its parameters and buffers allocated on `device`; checkpoint
     tensors are read on the host and copied in."""
     model_cls = get_model_class(config.architecture)
     with torch.device(device):
         model = model_cls(
-            config.hf_config, config.dtype, backend, batch_invariant, config.head_dtype
+            config.hf_config, config.dtype, backend, batch_invariant, config.head_dtype, tp
         )
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)

@@ -16,7 +16,6 @@ from hotswap.model.attention import (
     BatchInvariantAttention,
     CacheSpec,
     TorchPagedAttention,
-    build_metadata,
 )
 from hotswap.model.attention_kernel import PagedKernelAttention
 from hotswap.model.compiled import CompiledDecode, compilation_available
@@ -25,10 +24,20 @@ from hotswap.model.kernels import CpuKernels
 from hotswap.model.loader import build_model
 from hotswap.model.lora import ModelLoRA
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
+from hotswap.model.parallel import TPGroup
+from hotswap.model.rank_weights import RankWeights
 from hotswap.model.residency import WeightResidency
 from hotswap.model.routed_experts import RoutedExpertsBuffer
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs, top_logprobs
-from hotswap.model.step import ScheduledChunk, StepPlan, StepRequest
+from hotswap.model.step import ScheduledChunk, StepPlan
+from hotswap.model.step_inputs import (
+    PromptLogprobRows,
+    StepBatch,
+    StepInputs,
+    plan_batch,
+    step_inputs,
+)
+from hotswap.model.tp_workers import TensorParallelWorkers, on_every_rank
 
 logger = logging.getLogger(__name__)
 
@@ -48,28 +57,35 @@ class RunnerOutput:
     routed_experts: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-@dataclass
-class PromptLogprobRows:
-    """The rows of a step that score prompt tokens: row i predicts `targets[i]`."""
+class ModelRunner(RankWeights):
+    """Runs the model of one engine core. Under tensor parallelism the engine core's
+    runner is rank 0 and leads: it starts the other ranks (tp_workers.py), and every
+    method marked `on_every_rank` runs on all of them, in the same order (the other ranks
+    only ever run what rank 0 sends them); a step's forward runs on every rank, sampling
+    only here."""
 
-    rows: list[int] = field(default_factory=list)
-    targets: list[int] = field(default_factory=list)
-    ks: list[int] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    logits_rows: torch.Tensor
-    meta: object
-    prompt_rows: PromptLogprobRows
-
-
-class ModelRunner:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(
+        self, config: EngineConfig, progress: bool = True, tp: TPGroup | None = None
+    ) -> None:
         self.config = config
+        leads = tp is None and config.tensor_parallel_size > 1
+        self.workers = TensorParallelWorkers(config) if leads else None
+        self.tp = self.workers.group if self.workers is not None else tp or TPGroup()
+        try:
+            self._build(config, progress)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.kill()
+            raise
+        if self.workers is not None:
+            self.workers.confirm_started()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (rank 0 only; nothing without them)."""
+        if self.workers is not None:
+            self.workers.stop()
+
+    def _build(self, config: EngineConfig, progress: bool) -> None:
         self.block_size = config.cache.block_size
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
@@ -83,7 +99,7 @@ class ModelRunner:
         self.kernels = CpuKernels.load(progress) if wants_kernels else None
         self.backend = self._attention_backend()
         self.model = build_model(
-            config.model, self.backend, config.batch_invariant, progress, self.device
+            config.model, self.backend, config.batch_invariant, progress, self.device, self.tp
         )
         self.model.use_kernels(self.kernels)
         self.lora = self._attach_lora()
@@ -135,12 +151,14 @@ class ModelRunner:
     def _compile_decode(self, progress: bool) -> CompiledDecode | None:
         """Compiled graphs for decode steps of a few sequences, on the fast CPU path,
         unless eager mode is asked for or torch cannot compile here."""
-        if (self.config.enforce_eager or self.kernels is None
+        # Tensor-parallel steps run eagerly: their collectives are not in the graphs.
+        if (self.config.enforce_eager or self.kernels is None or self.tp.parallel
                 or not self.model.compilable or not compilation_available()):  # fmt: skip
             return None
         compiled = CompiledDecode(self.model, self.block_size, self.config.scheduler.max_model_len)
         return compiled if compiled.warm_up(progress) else None
 
+    @on_every_rank
     def weights_changed(self) -> None:
         """Drop every packed copy: the weights were (or may have been) written."""
         for holder in self.packed:
@@ -155,9 +173,11 @@ class ModelRunner:
 
     # -- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
+        """This rank's bytes per block (its key/value heads only)."""
         spec = self.model.spec
         elem = torch.tensor([], dtype=self.config.model.dtype).element_size()
-        return 2 * spec.num_layers * self.block_size * spec.num_kv_heads * spec.head_dim * elem
+        kv_heads = self.model.local_heads[1]
+        return 2 * spec.num_layers * self.block_size * kv_heads * spec.head_dim * elem
 
     def _num_blocks(self) -> int:
         if self.config.cache.num_blocks is not None:
@@ -173,10 +193,12 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         spec = self.model.spec
-        cache = CacheSpec(self.block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+        heads, kv_heads = self.model.local_heads
+        cache = CacheSpec(self.block_size, heads, kv_heads, spec.head_dim,
                           self.config.model.dtype, self.device)  # fmt: skip
         return [self.backend.make_cache(num_blocks, cache) for _ in range(spec.num_layers)]
 
+    @on_every_rank
     def free_kv_cache(self) -> None:
         """Release the KV memory (sleep); the scheduler must hold no block by now."""
         spec = self.model.spec
@@ -184,6 +206,7 @@ class ModelRunner:
         self.kv_caches = [(empty, empty)] * spec.num_layers
         self.model.bind_kv_cache(self.kv_caches)
 
+    @on_every_rank
     def release_cached_memory(self) -> None:
         """Hand memory freed by sleep back: to the driver (PyTorch's CUDA allocator keeps
         freed blocks for reuse otherwise), or to the system (the heap keeps them, too)."""
@@ -192,14 +215,24 @@ class ModelRunner:
         else:
             return_freed_memory()
 
+    @on_every_rank
     def restore_kv_cache(self) -> None:
         if self.kv_caches and self.kv_caches[0][0].numel() == 0:
             self.kv_caches = self._allocate_kv_cache(self.num_blocks)
             self.model.bind_kv_cache(self.kv_caches)
 
     # -- weights --------------------------------------------------------------------------
+    @on_every_rank
     def weights_digest(self) -> str:
-        """blake2b over every parameter's name, dtype, shape and bytes, in name order."""
+        """blake2b over every parameter's name, dtype, shape and bytes, in name order (with
+        tensor parallelism, over the ranks' digests in rank order)."""
+        local = self._local_digest()
+        if not self.tp.parallel:
+            return local
+        return hashlib.blake2b("|".join(self.tp.gather_objects(local)).encode(),
+                               digest_size=16).hexdigest()  # fmt: skip
+
+    def _local_digest(self) -> str:
         digest = hashlib.blake2b(digest_size=16)
         for name, param in sorted(self.model.named_parameters()):
             data = param.detach().contiguous().cpu()
@@ -208,13 +241,14 @@ class ModelRunner:
                 digest.update(data.view(torch.uint8).numpy())
         return digest.hexdigest()
 
-    def weight_checksums(self) -> dict[str, str]:
-        """SHA-256 of each parameter's bytes, by name."""
+    @on_every_rank
+    def weight_checksums(self) -> list[dict[str, str]]:
+        """SHA-256 of each parameter's bytes, by name; one mapping per rank, in rank order."""
         sums = {}
         for name, param in self.model.named_parameters():
             data = param.detach().contiguous().cpu().reshape(-1)
             sums[name] = hashlib.sha256(data.view(torch.uint8).numpy()).hexdigest()
-        return sums
+        return self.tp.gather_objects(sums)
 
     # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()
@@ -223,7 +257,10 @@ class ModelRunner:
         # with adapters, each adapter's rows next to each other (model/lora.py segments).
         items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, _adapter_key(s),
                                                       s.start))  # fmt: skip
-        inputs = self._prepare(items)
+        batch = plan_batch(items, self.block_size)
+        if self.tp.parallel:
+            self.tp.broadcast_object(("forward_batch", (batch,)))
+        inputs = self._inputs(batch)
         if self.lora is None:
             return self._run(items, inputs, compiled=True)
         with self.lora.step([(s.request.lora, s.num_tokens) for s in items]) as adapted:
@@ -249,6 +286,23 @@ class ModelRunner:
             if logprobs is not None:
                 out.logprobs[request.request_id] = logprobs
         return out
+
+    def _inputs(self, batch: StepBatch) -> StepInputs:
+        return step_inputs(batch, self.block_size, self.config.model.dtype, self.device,
+                           self.backend.reads_decode_batch)  # fmt: skip
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: StepBatch) -> None:
+        """A step on a rank other than 0: the forward and LM-head passes rank 0's `_run`
+        makes for it (their collectives pair up with rank 0's), without sampling."""
+        inputs = self._inputs(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        rows = inputs.prompt_rows.rows
+        for start in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
+            chunk = torch.tensor(rows[start : start + PROMPT_LOGPROBS_CHUNK], device=self.device)
+            self.model.compute_logits(hidden[chunk])
+        if batch.logits_rows:
+            self.model.compute_logits(hidden[inputs.logits_rows])
 
     def _compiled_logits(
         self, items: list[ScheduledChunk], inputs: StepInputs
@@ -299,64 +353,7 @@ class ModelRunner:
             for request_id, entry in zip(plan.request_ids[start : start + step], found):
                 out.prompt_logprobs.setdefault(request_id, []).append(entry)
 
-    def _prepare(self, items: list[ScheduledChunk]) -> StepInputs:
-        size = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
-        query_lens, context_lens, tables = [], [], []
-        prompt_rows = PromptLogprobRows()
-        for item in items:
-            request, start, end = item.request, item.start, item.start + item.num_tokens
-            if request.needs_prompt_logprobs:
-                _plan_prompt_rows(prompt_rows, request, start, end, len(input_ids))
-            input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = request.block_ids
-            slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            if item.samples:
-                logits_rows.append(len(input_ids) - 1)
-            query_lens.append(item.num_tokens)
-            context_lens.append(end)
-            tables.append(blocks[: -(-end // size)])
-
-        def ids(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
-        dtype = self.config.model.dtype
-        return StepInputs(
-            input_ids=ids(input_ids),
-            positions=ids(positions),
-            logits_rows=ids(logits_rows),
-            meta=build_metadata(
-                query_lens,
-                context_lens,
-                tables,
-                ids(slots),
-                size,
-                dtype,
-                self.backend.reads_decode_batch,
-            ),  # fmt: skip
-            prompt_rows=prompt_rows,
-        )
-
 
 def _adapter_key(item: ScheduledChunk) -> int:
     lora = item.request.lora
     return -1 if lora is None else lora.uid
-
-
-def _plan_prompt_rows(
-    plan: PromptLogprobRows, request: StepRequest, start: int, end: int, first_row: int
-) -> None:
-    """Rows of this chunk whose positions predict a prompt token not scored yet (a chunk
-    recomputed after preemption skips those already scored)."""
-    first = max(start, len(request.prompt_logprobs))
-    last = min(end, request.num_prompt_tokens - 1)
-    k = request.sampling_params.prompt_logprobs or 0
-    for position in range(first, last):
-        plan.rows.append(first_row + position - start)
-        plan.targets.append(request.all_token_ids[position + 1])
-        plan.ks.append(k)
-        plan.request_ids.append(request.request_id)

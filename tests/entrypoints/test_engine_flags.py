@@ -61,6 +61,10 @@ def test_declared_choices_and_aliases() -> None:
         parser.parse_args(["--max-num-seqs", "many"])
     flags = {f.name: f.metadata[FLAG_KEY] for f in dataclasses.fields(EngineArgs) if f.metadata}
     aliased = {name: flag.aliases for name, flag in flags.items() if flag.aliases}
-    assert aliased == {"kv_cache_memory_bytes": ("--kv-cache-memory",)}  # hotswap's older one
+    assert aliased == {
+        "kv_cache_memory_bytes": ("--kv-cache-memory",),  # hotswap's older one
+        "tensor_parallel_size": ("-tp",),  # vLLM's short form
+    }
+    assert parser.parse_args(["-tp", "2"]).tensor_parallel_size == 2
     for name in flag_names("kv_cache_memory_bytes", flags["kv_cache_memory_bytes"]):
         assert parser.parse_args([name, "5"]).kv_cache_memory_bytes == 5

@@ -17,6 +17,7 @@ from hotswap.engine.request import Request
 from hotswap.engine.scheduler import ScheduledRequest
 from hotswap.engine_args import EngineArgs
 from hotswap.model.runner import ModelRunner
+from hotswap.model.step_inputs import plan_batch
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -48,7 +49,7 @@ def test_a_mixed_step_keeps_every_tensor_on_the_engine_device(
         scheduled("prefill", list(range(1, 30)), [5, 6], 0, 29),
         scheduled("chunk", list(range(1, 50)), [7, 8, 9, 10], 16, 20),  # after a cached prefix
     ]
-    inputs = runner._prepare(items)
+    inputs = runner._inputs(plan_batch(items, runner.block_size))
     assert {t.device.type for t in (inputs.input_ids, inputs.positions, inputs.logits_rows)} == {
         "meta"
     }

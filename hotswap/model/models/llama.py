@@ -6,183 +6,26 @@ Checkpoint q/k/v projections load into one fused `qkv_proj`, gate/up into `gate_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hotswap.errors import InvalidArgument
 from hotswap.model.attention import AttentionBackend, AttentionMetadata
 from hotswap.model.kernels import CpuKernels
-from hotswap.model.layers import (
-    Linear,
-    MatVec,
-    RMSNorm,
-    RopeTable,
-    RotaryEmbedding,
-    apply_rotary,
-    linear,
-    silu_and_mul,
-    tiled_linear,
-    use_kernels,
+from hotswap.model.layers import Linear, MatVec, linear, tiled_linear, use_kernels
+from hotswap.model.models.decoder import MLP, DecoderModel
+from hotswap.model.models.sharding import (
+    gather_logits,
+    head_layout,
+    parameter_slice,
+    vocab_rows,
 )
 from hotswap.model.models.spec import DecoderSpec
 from hotswap.model.packed import PackedWeight, packed_copy
-
-
-class Attention(nn.Module):
-    def __init__(
-        self, spec: DecoderSpec, dtype: torch.dtype, backend: AttentionBackend, invariant: bool
-    ) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            spec.num_heads,
-            spec.num_kv_heads,
-            spec.head_dim,
-        )
-        q_size, kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(
-            spec.hidden_size, q_size + 2 * kv_size, spec.qkv_bias, dtype, invariant
-        )
-        self.o_proj = Linear(q_size, spec.hidden_size, spec.o_bias, dtype, invariant)
-        if spec.qk_norm:
-            q_norm, k_norm = (spec.head_dim,) * 2 if spec.qk_norm_per_head else (q_size, kv_size)
-            self.q_norm = RMSNorm(q_norm, spec.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(k_norm, spec.rms_norm_eps, dtype)
-        self.qk_norm = spec.qk_norm and spec.qk_norm_per_head
-        self.qk_norm_whole = spec.qk_norm and not spec.qk_norm_per_head
-        self.clip_qkv = spec.clip_qkv
-        self.backend = backend
-        self.scale = spec.head_dim**-0.5
-        # The paged KV cache, bound by the runner; buffers, so a compiled graph takes them
-        # as inputs (a cache re-allocated after sleep is seen, not baked in).
-        self.register_buffer("k_cache", torch.empty(0, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.empty(0, dtype=dtype), persistent=False)
-        self.kernels: CpuKernels | None = None  # RoPE in place when set
-
-    def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if self.qk_norm_whole or self.clip_qkv is not None:
-            qkv = self._whole_qk_norm_and_clip(qkv)
-        heads, kv_heads = self.num_heads, self.num_kv_heads
-        v = qkv[:, -self.split_sizes[2] :].view(tokens, kv_heads, self.head_dim)
-        qk = qkv[:, : -self.split_sizes[2]].view(tokens, heads + kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = qk.split([heads, kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # q and k rotate together: one set of elementwise ops instead of two.
-        if self.kernels is not None:
-            self.kernels.rotary_embedding(qk, *rope)  # in place: qkv is this step's own
-        else:
-            qk = apply_rotary(qk, rope)
-        q, k = qk.split([heads, kv_heads], dim=1)
-        if self.k_cache.numel() == 0:
-            raise RuntimeError("attention: no KV cache is bound to the model")
-        out = self.backend.forward(q, k, v, (self.k_cache, self.v_cache), meta, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
-
-    def _whole_qk_norm_and_clip(self, qkv: torch.Tensor) -> torch.Tensor:
-        """OLMoE: q and k each normalised as one vector (before the heads are split), then
-        q, k and v clamped to +-clip_qkv, in transformers' order."""
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
-        if self.qk_norm_whole:
-            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
-        qkv = torch.cat([q, k, v], dim=-1)
-        if self.clip_qkv is not None:
-            qkv.clamp_(-self.clip_qkv, self.clip_qkv)
-        return qkv
-
-
-class MLP(nn.Module):
-    def __init__(
-        self, spec: DecoderSpec, dtype: torch.dtype, invariant: bool, size: int | None = None
-    ) -> None:
-        super().__init__()
-        size = size or spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * size, spec.mlp_bias, dtype, invariant)
-        self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, invariant)
-        self.kernels: CpuKernels | None = None  # the fused activation when set
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.kernels is not None and gate_up.dim() == 2:
-            return self.down_proj(self.kernels.silu_and_mul(gate_up))
-        return self.down_proj(silu_and_mul(gate_up))
-
-
-class DecoderLayer(nn.Module):
-    """`mlp`: the dense MLP, or a mixture-of-experts block (model/moe.py)."""
-
-    def __init__(
-        self,
-        spec: DecoderSpec,
-        dtype: torch.dtype,
-        backend: AttentionBackend,
-        invariant: bool,
-        mlp: nn.Module,
-    ) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.self_attn = Attention(spec, dtype, backend, invariant)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
-        self.mlp = mlp
-
-    def forward(
-        self,
-        rope: RopeTable,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream): the caller adds the two, fused into the next
-        norm (the first layer gets residual None: x is the stream)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(rope, h, meta), residual)
-        return self.mlp(h), residual
-
-
-class DecoderModel(nn.Module):
-    """`head_dtype` is the dtype of the final norm (and of the embedding when the LM head
-    shares it): the hidden states the head reads are then never rounded to `dtype`."""
-
-    def __init__(
-        self,
-        spec: DecoderSpec,
-        dtype: torch.dtype,
-        backend: AttentionBackend,
-        invariant: bool,
-        head_dtype: torch.dtype,
-        make_mlp: Callable[[int], nn.Module],
-    ) -> None:
-        super().__init__()
-        embed_dtype = head_dtype if spec.tie_word_embeddings else dtype
-        self.embed_tokens = nn.Parameter(
-            torch.empty(spec.vocab_size, spec.hidden_size, dtype=embed_dtype), False
-        )
-        self.layers = nn.ModuleList(
-            DecoderLayer(spec, dtype, backend, invariant, make_mlp(i))
-            for i in range(spec.num_layers)
-        )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, head_dtype)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope)
-        self.dtype = dtype
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens).to(self.dtype)
-        rope = self.rotary(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
-        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
-
+from hotswap.model.parallel import ShardSlice, TPGroup
 
 # checkpoint projection name -> (fused parameter name, shard index)
 _FUSED_SHARDS = {
@@ -202,6 +45,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     qk_norm_per_head = True
     compilable = True  # decode steps may run as compiled graphs (model/compiled.py)
+    tensor_parallel = True  # splits over ranks (sharding.py); else refused with a TP size
 
     def __init__(
         self,
@@ -210,8 +54,16 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         batch_invariant: bool = False,
         head_dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp = tp or TPGroup()
+        if tp.parallel and not self.tensor_parallel:
+            raise InvalidArgument(
+                "tensor_parallel_size",
+                f"tensor_parallel_size: {type(self).__name__} does not run tensor-parallel "
+                f"yet; use tensor_parallel_size=1",
+            )
         spec = DecoderSpec.from_hf(
             hf_config, qkv_bias=self.qkv_bias, o_bias=self.o_bias, qk_norm=self.qk_norm,
             qk_norm_per_head=self.qk_norm_per_head,
@@ -224,12 +76,13 @@ class LlamaForCausalLM(nn.Module):
         head_dtype = head_dtype or dtype
         self.model = DecoderModel(
             spec, dtype, backend, batch_invariant, head_dtype,
-            lambda layer: self.make_mlp(layer, dtype, batch_invariant),
+            lambda layer: self.make_mlp(layer, dtype, batch_invariant), tp,
         )  # fmt: skip
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Parameter(
-                torch.empty(spec.vocab_size, spec.hidden_size, dtype=head_dtype), False
-            )
+                torch.empty(vocab_rows(spec.vocab_size, tp)[2], spec.hidden_size,
+                            dtype=head_dtype), False,
+            )  # fmt: skip
 
     def read_config(self, hf_config: dict[str, Any]) -> None:
         """What a subclass reads from config.json beyond `self.spec`, before the layers are
@@ -237,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
 
     def make_mlp(self, layer: int, dtype: torch.dtype, invariant: bool) -> nn.Module:
         """Layer `layer`'s feed-forward block (mixture-of-experts models override it)."""
-        return MLP(self.spec, dtype, invariant)
+        return MLP(self.spec, dtype, invariant, tp=self.tp)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -250,8 +103,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
-            return tiled_linear(hidden, self.lm_head_weight, None).float()
-        return linear(hidden, self.lm_head_weight, None, self.matvec, self.head_packed).float()
+            logits = tiled_linear(hidden, self.lm_head_weight, None).float()
+        else:
+            logits = linear(hidden, self.lm_head_weight, None, self.matvec, self.head_packed)
+        return gather_logits(logits.float(), self.spec.vocab_size, self.tp)
+
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads) this rank computes and caches."""
+        layout = head_layout(self.spec, self.tp)
+        return layout.heads, layout.kv_heads
 
     def use_kernels(self, kernels: CpuKernels | None) -> None:
         """Run single-row products (every linear layer and the LM head), norms and RoPE
@@ -299,13 +160,14 @@ class LlamaForCausalLM(nn.Module):
             param_name, shard = target
             if param_name not in params:
                 raise ValueError(f"weights: unknown parameter {name!r} (maps to {param_name!r})")
-            dest = self._shard_view(params[param_name], param_name, shard)
-            if tuple(dest.shape) != tuple(tensor.shape):
+            dest, piece = self._rank_view(params[param_name], param_name, shard)
+            expected = tuple(dest.shape) if piece is None else piece.full_shape(dest.shape)
+            if expected != tuple(tensor.shape):
                 raise ValueError(
                     f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                    f"model expects {tuple(dest.shape)}"
+                    f"model expects {expected}"
                 )
-            dest.copy_(tensor)
+            dest.copy_(tensor if piece is None else piece.take(tensor))
             loaded.add(self._key(param_name, shard))
         return self.expand_keys(loaded)
 
@@ -344,7 +206,27 @@ class LlamaForCausalLM(nn.Module):
         params = self.parameter_index()
         if param_name not in params:
             raise ValueError(f"weights: unknown parameter {name!r}")
-        return self._key(param_name, shard), self._shard_view(params[param_name], param_name, shard)
+        return self._key(param_name, shard), self._rank_view(params[param_name], param_name,
+                                                             shard)[0]  # fmt: skip
+
+    def checkpoint_slice(self, name: str) -> ShardSlice | None:
+        """Which part of checkpoint tensor `name` this rank holds (its `checkpoint_view`);
+        None: all of it (no tensor parallelism, a replicated or an ignored tensor)."""
+        target = self._map_name(name)
+        if target is None or not self.tp.parallel:
+            return None
+        param_name, shard = target
+        return self._rank_view(self.parameter_index()[param_name], param_name, shard)[1]
+
+    def _rank_view(
+        self, param: torch.Tensor, name: str, shard: Any
+    ) -> tuple[torch.Tensor, ShardSlice | None]:
+        """Where a checkpoint tensor is written on this rank, and which slice of it."""
+        dest = self._shard_view(param, name, shard)
+        piece = parameter_slice(name, shard, dest, self.spec, self.tp)
+        if piece is not None and piece.size != dest.shape[piece.dim]:
+            dest = dest.narrow(piece.dim, 0, piece.size)  # the vocabulary's padding rows
+        return dest, piece
 
     def checkpoint_name(self, key: str) -> str:
         """The checkpoint tensor a key of `expected_checkpoint_keys()` is loaded from

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hotswap.model.models.llama import MLP, LlamaForCausalLM
+from hotswap.model.models.decoder import MLP
+from hotswap.model.models.llama import LlamaForCausalLM
 from hotswap.model.moe import MoESpec, SparseMoeBlock
 
 _EXPERT_TENSOR = re.compile(
@@ -34,6 +35,7 @@ _STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 class MoeForCausalLM(LlamaForCausalLM):
     mixtral = False  # Mixtral's config keys and checkpoint names
     compilable = False  # routing is data-dependent: decode steps run eagerly
+    tensor_parallel = False  # experts are not split over ranks yet
 
     def read_config(self, hf_config: dict[str, Any]) -> None:
         if self.mixtral and hf_config.get("sliding_window") is not None:

@@ -1,0 +1,80 @@
+"""How a decoder's parameters split over tensor-parallel ranks, as vLLM lays them out:
+q/k/v by heads and gate/up by columns (column-parallel), o/down by their input columns
+(row-parallel: each rank's partial product is summed across ranks), the embedding and
+the LM head by vocabulary rows (padded to a multiple of the ranks; logits gathered).
+Norms and the biases of row-parallel layers are whole on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hotswap.model.models.spec import DecoderSpec
+from hotswap.model.parallel import HeadLayout, ShardSlice, TPGroup, even_split
+
+
+def vocab_rows(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
+    """(first row, real rows, allocated rows) of this rank's share of the vocabulary: every
+    rank allocates the same number of rows, the last one's tail is padding."""
+    per_rank = -(-vocab_size // tp.size)
+    start = min(tp.rank * per_rank, vocab_size)
+    return start, min(per_rank, vocab_size - start), per_rank
+
+
+def vocab_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup
+) -> torch.Tensor:
+    """The embedding of `ids` from this rank's rows, summed across ranks (each id's row
+    lives on one rank; the others contribute zeros, so the sum is exact)."""
+    if not tp.parallel:
+        return F.embedding(ids, weight)
+    start, rows, _ = vocab_rows(vocab_size, tp)
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    out.masked_fill_(outside[:, None], 0)
+    return tp.all_reduce(out)
+
+
+def gather_logits(local: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
+    """Every rank's logits columns side by side, without the padding rows' columns."""
+    if not tp.parallel:
+        return local
+    return tp.gather_last_dim(local)[:, :vocab_size]
+
+
+def parameter_slice(
+    param_name: str, shard: object, local: torch.Tensor, spec: DecoderSpec, tp: TPGroup
+) -> ShardSlice | None:
+    """Where this rank's `local` part of a checkpoint tensor lies in it (None: the rank
+    holds it whole). `shard`: which checkpoint tensor of a fused parameter (q/k/v, gate/up)."""
+    if not tp.parallel:
+        return None
+    if param_name in ("model.embed_tokens", "lm_head"):
+        start, rows, _ = vocab_rows(spec.vocab_size, tp)
+        return ShardSlice(0, start, rows, spec.vocab_size)
+    module, _, kind = param_name.rpartition(".")
+    module = module.rpartition(".")[2]
+    if module == "qkv_proj":
+        layout, head_dim = head_layout(spec, tp), spec.head_dim
+        if shard == 0:
+            return ShardSlice(0, layout.head_start * head_dim, layout.heads * head_dim,
+                              spec.num_heads * head_dim)  # fmt: skip
+        return ShardSlice(0, layout.kv_head_start * head_dim, layout.kv_heads * head_dim,
+                          spec.num_kv_heads * head_dim)  # fmt: skip
+    if module == "gate_up_proj":  # `local`: this rank's gate (or up) rows
+        size = local.shape[0]
+        return ShardSlice(0, tp.rank * size, size, size * tp.size)
+    if module in ("o_proj", "down_proj") and kind == "weight":
+        size = local.shape[1]
+        return ShardSlice(1, tp.rank * size, size, size * tp.size)
+    return None
+
+
+def head_layout(spec: DecoderSpec, tp: TPGroup) -> HeadLayout:
+    return HeadLayout.of(spec.num_heads, spec.num_kv_heads, tp.size, tp.rank)
+
+
+def local_intermediate(size: int, tp: TPGroup) -> int:
+    """An MLP's intermediate columns on this rank."""
+    return even_split(size, tp.size, tp.rank, "intermediate_size")[1]

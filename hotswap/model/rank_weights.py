@@ -1,0 +1,94 @@
+"""Writes into the model's weights that every tensor-parallel rank makes alike: checkpoint
+tensors (each rank keeps its slice), sparse deltas, and sleep's offload and restore.
+
+Mixed into ModelRunner (which provides `model`, `tp` and `residency`). Rank 0 sends each
+whole checkpoint tensor over the group, so any weight-transfer backend feeds a
+tensor-parallel engine unchanged (vLLM's default behaviour: every rank keeps its part)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from hotswap.model.parallel import TPGroup
+from hotswap.model.residency import WeightResidency
+from hotswap.model.tp_workers import on_every_rank
+
+
+class RankWeights:
+    model: torch.nn.Module
+    tp: TPGroup
+    residency: WeightResidency
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Checkpoint tensors (whole) into every rank's share; returns the keys written
+        (as the model's `load_weights`). Shapes are checked before any rank writes."""
+        if not (self.tp.parallel and self.tp.rank == 0):
+            return self.model.load_weights(weights)
+        pairs = [(name, tensor.contiguous()) for name, tensor in weights]
+        for name, tensor in pairs:
+            self._check_shape(name, tensor)
+        metas = [(name, tuple(tensor.shape), tensor.dtype) for name, tensor in pairs]
+        self.tp.broadcast_object(("receive_weights", (metas,)))
+        loaded: set[str] = set()
+        for name, tensor in pairs:
+            loaded |= self.model.load_weights([(name, self.tp.broadcast(tensor))])
+        return loaded
+
+    def _check_shape(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.model.checkpoint_view(name)
+        if target is None:
+            return
+        piece = self.model.checkpoint_slice(name)
+        shape = tuple(target[1].shape)
+        expected = shape if piece is None else piece.full_shape(shape)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                f"model expects {expected}"
+            )
+
+    @torch.no_grad()
+    def receive_weights(self, metas: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        """Rank 1..: the tensors rank 0's `load_weights` sends, one at a time."""
+        for name, shape, dtype in metas:
+            buffer = self.tp.broadcast(torch.empty(shape, dtype=dtype))
+            self.model.load_weights([(name, buffer.to(self.model_device))])
+
+    @property
+    def model_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @on_every_rank
+    @torch.no_grad()
+    def apply_deltas(self, deltas: list[tuple[str, Any]]) -> None:
+        """Sparse changes to checkpoint tensors (weight_transfer's `Delta`: flat `indices`
+        into the whole tensor, `values`): each rank writes those that fall in its slice."""
+        for name, delta in deltas:
+            target = self.model.checkpoint_view(name)
+            if target is None:
+                continue
+            view = target[1]
+            flat = view.view(-1)  # checkpoint views are contiguous row ranges
+            indices, values = delta.indices.to(view.device), delta.values.to(view.device)
+            piece = self.model.checkpoint_slice(name) if self.tp.parallel else None
+            if piece is not None:
+                mask, indices = piece.local_indices(piece.full_shape(tuple(view.shape)), indices)
+                values = values[mask]
+            flat[indices] = values.to(flat.dtype)
+
+    @on_every_rank
+    def offload_weights(self, keep: bool) -> None:
+        """Sleep: the weights to a host backup (`keep`), or dropped."""
+        if keep:
+            self.residency.offload()
+        else:
+            self.residency.discard()
+
+    @on_every_rank
+    def restore_weights(self) -> bool:
+        """Wake: True if the weights are the pre-sleep ones (on every rank)."""
+        return all(self.tp.gather_objects(self.residency.restore()))
