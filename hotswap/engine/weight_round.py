@@ -62,6 +62,8 @@ class ModelWriter(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
     def apply_deltas(self, deltas: list[tuple[str, Delta]]) -> None: ...
+    def commit_stage(self, names: list[str]) -> None:
+        """Write every rank's received parts of `names` (m2n rounds); [] drops them."""
 
 
 class LocalWriter:
@@ -79,3 +81,6 @@ class LocalWriter:
             if target is not None:
                 flat = target[1].view(-1)  # checkpoint views are contiguous row ranges
                 flat[delta.indices] = delta.values.to(flat.dtype)
+
+    def commit_stage(self, names: list[str]) -> None:
+        """Nothing is received on other ranks for a model in this process alone."""

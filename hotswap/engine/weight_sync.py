@@ -42,6 +42,7 @@ from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
 from hotswap.weight_transfer.config import WeightTransferConfig
 from hotswap.weight_transfer.engine import WeightTransferEngine
+from hotswap.weight_transfer.m2n import STAGED, M2NEngine
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ class WeightSync:
             raise InvalidArgument("init_info", "init_info: must be a JSON object")
         engine = self._confined(create_transfer_engine(config, self.device))
         engine.cancel = self.join_cancel
+        if isinstance(engine, M2NEngine):  # every tensor-parallel rank receives its part
+            engine.attach(self.writer)
         if config.reuse_receive_buffers:
             engine.allocate = self._pooled
         engine.init_transfer_engine(init_info)
@@ -338,6 +341,8 @@ class WeightSync:
         """A round that will not be committed: what it wrote into the shadow is stale."""
         if round_.in_shadow and self.shadow is not None:
             self.shadow.discard_round()
+        if any(item is STAGED for item in round_.staged.values()):
+            self.writer.commit_stage([])  # drops every rank's received parts
 
     def covers_model(self, staged: Iterable[str], is_checkpoint_format: bool) -> bool:
         return not self.targets.missing(set(staged), is_checkpoint_format)
@@ -366,7 +371,11 @@ class WeightSync:
         writer = self.writer if model is self.model else LocalWriter(model)
         try:
             if round_.is_checkpoint_format:
-                writer.load_weights(round_.staged.items())
+                on_ranks = [name for name, item in round_.staged.items() if item is STAGED]
+                writer.load_weights((name, item) for name, item in round_.staged.items()
+                                    if item is not STAGED)  # fmt: skip
+                if on_ranks:
+                    self.writer.commit_stage(on_ranks)
                 if round_.deltas:
                     writer.apply_deltas(round_.deltas)
             else:

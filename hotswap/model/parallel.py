@@ -101,10 +101,14 @@ class HeadLayout:
 
 class TPGroup:
     """This rank's view of its tensor-parallel group; `size == 1`: no group, every
-    collective is the identity."""
+    collective is the identity. Host tensors (and pickled objects) go over gloo; on CUDA,
+    device tensors over NCCL (`device_group`)."""
 
-    def __init__(self, rank: int = 0, size: int = 1, group: Any = None) -> None:
+    def __init__(
+        self, rank: int = 0, size: int = 1, group: Any = None, device_group: Any = None
+    ) -> None:
         self.rank, self.size, self.group = rank, size, group
+        self.device_group = device_group
         self.failed: str | None = None  # why a collective failed; every later one refuses
 
     @property
@@ -113,11 +117,16 @@ class TPGroup:
 
     @classmethod
     def connect(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> TPGroup:
-        if device.type == "cuda":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = GROUP_TIMEOUT
-            return cls(rank, size, dist.ProcessGroupNCCL(store, rank, size, options))
-        return cls(rank, size, dist.ProcessGroupGloo(store, rank, size, GROUP_TIMEOUT))
+        host = dist.ProcessGroupGloo(dist.PrefixStore("host/", store), rank, size, GROUP_TIMEOUT)
+        if device.type != "cuda":
+            return cls(rank, size, host)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = GROUP_TIMEOUT
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("device/", store), rank, size, options)
+        return cls(rank, size, host, nccl)
+
+    def _for(self, tensor: torch.Tensor) -> Any:
+        return self.device_group if tensor.is_cuda else self.group
 
     def _run(self, what: str, start: Any) -> None:
         if self.failed is not None:
@@ -134,7 +143,7 @@ class TPGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` across the ranks, in place (row-parallel layers' partial sums)."""
         if self.parallel:
-            self._run("an all-reduce", lambda: self.group.allreduce([tensor]))
+            self._run("an all-reduce", lambda: self._for(tensor).allreduce([tensor]))
         return tensor
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -143,7 +152,7 @@ class TPGroup:
             return tensor
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._run("an all-gather", lambda: self.group.allgather([parts], [tensor]))
+        self._run("an all-gather", lambda: self._for(tensor).allgather([parts], [tensor]))
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -151,7 +160,7 @@ class TPGroup:
         if self.parallel:
             options = dist.BroadcastOptions()
             options.rootRank = 0
-            self._run("a broadcast", lambda: self.group.broadcast([tensor], options))
+            self._run("a broadcast", lambda: self._for(tensor).broadcast([tensor], options))
         return tensor
 
     def broadcast_object(self, obj: Any = None) -> Any:

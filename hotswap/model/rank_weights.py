@@ -21,6 +21,50 @@ class RankWeights:
     model: torch.nn.Module
     tp: TPGroup
     residency: WeightResidency
+    # The ranks' second channel (tp_workers.py), for weight transfers that every rank
+    # receives itself (the m2n backend), alongside steps on the first.
+    transfer_channel: TPGroup
+    # Each rank's received part of a round's tensors, written into the model at the commit.
+    rank_stage: dict[str, torch.Tensor]
+
+    # -- every rank receives (weight_transfer/m2n.py's RankTransfer) ----------------------
+    @property
+    def engine_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size
+
+    def checkpoint_part(self, name: str) -> tuple[tuple[int, ...], Any] | None:
+        """(checkpoint tensor `name`'s whole shape, this rank's (dim, start, size) of it or
+        None: all); None if the model ignores it; ValueError if it has no such tensor."""
+        target = self.model.checkpoint_view(name)
+        if target is None:
+            return None
+        piece = self.model.checkpoint_slice(name)
+        shape = tuple(target[1].shape)
+        if piece is None:
+            return shape, None
+        return piece.full_shape(shape), (piece.dim, piece.start, piece.size)
+
+    def tell_workers(self, call: tuple[str, tuple]) -> None:
+        if self.transfer_channel.parallel:
+            self.transfer_channel.broadcast_object(call)
+
+    def gather_errors(self, error: str | None) -> list[str | None]:
+        return self.transfer_channel.gather_objects(error)
+
+    @on_every_rank
+    @torch.no_grad()
+    def commit_stage(self, names: list[str]) -> None:
+        """Every rank writes its received parts of `names` into its model."""
+        for name in names:
+            staged = self.rank_stage.pop(name, None)
+            target = self.model.checkpoint_view(name)
+            if staged is not None and target is not None:
+                target[1].copy_(staged)
+        self.rank_stage.clear()  # `names` empty: the round was dropped
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

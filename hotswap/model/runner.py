@@ -65,12 +65,19 @@ class ModelRunner(RankWeights):
     only here."""
 
     def __init__(
-        self, config: EngineConfig, progress: bool = True, tp: TPGroup | None = None
+        self,
+        config: EngineConfig,
+        progress: bool = True,
+        groups: tuple[TPGroup, TPGroup] | None = None,
     ) -> None:
+        """`groups`: on ranks 1.., their (step, transfer) channels; rank 0 makes them."""
         self.config = config
-        leads = tp is None and config.tensor_parallel_size > 1
+        leads = groups is None and config.tensor_parallel_size > 1
         self.workers = TensorParallelWorkers(config) if leads else None
-        self.tp = self.workers.group if self.workers is not None else tp or TPGroup()
+        if self.workers is not None:
+            groups = (self.workers.group, self.workers.transfer_channel)
+        self.tp, self.transfer_channel = groups or (TPGroup(), TPGroup())
+        self.rank_stage: dict[str, torch.Tensor] = {}
         try:
             self._build(config, progress)
         except BaseException:

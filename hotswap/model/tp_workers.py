@@ -31,6 +31,17 @@ STOP = "stop"  # the call that ends a worker's loop
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def connect_channels(
+    store: dist.Store, rank: int, size: int, device: str
+) -> tuple[TPGroup, TPGroup]:
+    """The ranks' two groups: steps and every-rank calls; weight transfers every rank
+    receives (their own thread, so a round is received while steps run)."""
+    place = torch.device(device)
+    steps = TPGroup.connect(dist.PrefixStore("steps/", store), rank, size, place)
+    transfers = TPGroup.connect(dist.PrefixStore("transfers/", store), rank, size, place)
+    return steps, transfers
+
+
 def on_every_rank(method: F) -> F:
     """A runner method that, called on rank 0 with tensor parallelism, first sends the
     call to every other rank (which run the same method with the same arguments)."""
@@ -61,10 +72,10 @@ class TensorParallelWorkers:
         self._finalizer = weakref.finalize(self, _kill, list(self.procs))
         self._wait_for("joining", size)
         torch.set_num_threads(threads)
-        self.group = TPGroup.connect(self.store, 0, size, torch.device(config.device))
+        self.group, self.transfer_channel = connect_channels(self.store, 0, size, config.device)
 
     def _spawn(self, rank: int, size: int) -> subprocess.Popen:
-        command = [sys.executable, "-m", "hotswap.model.tp_worker", HOST,
+        command = [sys.executable, "-m", "hotswap.engine.tp_worker", HOST,
                    str(self.store.port), str(rank), str(size)]  # fmt: skip
         return subprocess.Popen(command, stdin=subprocess.DEVNULL)
 
@@ -97,6 +108,7 @@ class TensorParallelWorkers:
         """Ends the workers' loops and waits for them (kills those that do not exit)."""
         if self.group.failed is None and any(p.poll() is None for p in self.procs):
             try:
+                self.transfer_channel.broadcast_object((STOP, ()))
                 self.group.broadcast_object((STOP, ()))
             except RuntimeError:
                 logger.warning("tensor parallelism: could not tell the workers to stop")

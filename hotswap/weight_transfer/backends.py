@@ -14,6 +14,8 @@ from hotswap.weight_transfer import (  # noqa: F401 - imported to register them
     broadcast_trainer,
     disk,
     ipc,
+    m2n,
+    m2n_trainer,
     sparse,
 )
 from hotswap.weight_transfer.base import WeightSource

@@ -1,0 +1,79 @@
+"""A tensor-parallel worker: rank 1.. of one engine core's group, in its own process.
+
+Started by rank 0 (model/tp_workers.py) as `python -m hotswap.engine.tp_worker HOST PORT
+RANK SIZE`; reads the engine config from rank 0's store, builds its share of the model,
+then runs every call rank 0 sends, in order, until told to stop or the group fails (rank
+0's process ended: its sockets close, and the worker exits with it). A second thread runs
+the weight transfers this rank receives itself (weight_transfer/m2n.py), so a round is
+received while steps run; its stage is written into the model by a call on the first.
+In the engine layer: it runs the model and the weight-transfer backends."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from hotswap.model.parallel import GROUP_TIMEOUT, TensorParallelError, TPGroup
+from hotswap.model.runner import ModelRunner
+from hotswap.model.tp_workers import STOP, connect_channels
+from hotswap.weight_transfer.m2n import M2NRank, worker_call
+
+logger = logging.getLogger(__name__)
+
+
+def serve(host: str, port: int, rank: int, size: int) -> int:
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=GROUP_TIMEOUT)
+    config = pickle.loads(store.get("config"))
+    torch.set_num_threads(int(store.get("threads")))
+    store.set(f"joining{rank}", b"1")
+    groups = connect_channels(store, rank, size, config.device)
+    try:
+        runner, error = ModelRunner(config, progress=False, groups=groups), None
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
+        runner, error = None, f"{type(e).__name__}: {e}"
+    groups[0].gather_objects(error)
+    if runner is None:
+        return 1
+    threading.Thread(target=_transfers, args=(runner, groups[1]), daemon=True,
+                     name="hotswap-tp-transfers").start()  # fmt: skip
+    while True:
+        name, args = groups[0].broadcast_object()
+        if name == STOP:
+            return 0
+        getattr(runner, name)(*args)
+
+
+def _transfers(runner: ModelRunner, channel: TPGroup) -> None:
+    """The transfer calls rank 0 sends, each answered with this rank's error (or None)."""
+    rank: M2NRank | None = None
+    try:
+        while True:
+            call = channel.broadcast_object()
+            if call[0] == STOP:
+                return
+            error = None
+            try:
+                rank = worker_call(rank, runner, runner.device, call)
+            except Exception as e:  # noqa: BLE001 - rank 0 raises it for the round
+                error = f"{type(e).__name__}: {e}"
+            channel.gather_objects(error)
+    except TensorParallelError as e:
+        logger.warning("tensor-parallel transfers end: %s", e)
+
+
+def main() -> int:
+    host, port, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    try:
+        return serve(host, port, rank, size)
+    except TensorParallelError as e:
+        logger.warning("tensor-parallel rank %d ends: %s", rank, e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
