@@ -1,0 +1,169 @@
+"""Resharded rounds (m2n) from M trainer ranks (threads of this process, each with its own
+shards) into an engine of N tensor-parallel ranks: 2->2, 2->1, 1->2, 4->2 each give
+weights equal to a fresh N-rank engine loaded from the same checkpoint (digest) and the
+same greedy continuation, each engine rank receiving only its slices' bytes. A malformed
+declaration is refused naming the shard and changes nothing; a rank dying mid-round stops
+the engine instead of serving mixed weights."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from hotswap import LLM, SamplingParams
+from hotswap.errors import InvalidArgument
+from hotswap.model.parallel import TensorParallelError
+from hotswap.weight_transfer import InProcessWeightSyncClient, WeightTransferTrainerFactory
+from hotswap.weight_transfer.m2n_trainer import M2NTrainerInitInfo, Shard, ShardedSource
+from tests.weight_transfer.conftest import free_port
+
+pytestmark = pytest.mark.slow  # engines with worker processes, trainer groups
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_model_factory) -> tuple[Path, Path]:
+    """Qwen3 with one key/value head (replicated on two engine ranks)."""
+    return (tiny_model_factory("qwen3", seed=0, num_key_value_heads=1),
+            tiny_model_factory("qwen3", seed=1, num_key_value_heads=1))  # fmt: skip
+
+
+def engine(path: Path, tp: int, backend: str | None = "m2n") -> LLM:
+    config = {"backend": backend} if backend else None
+    return LLM(str(path), dtype="float32", progress=False, tensor_parallel_size=tp,
+               weight_transfer_config=config)  # fmt: skip
+
+
+def shards_of(tensors: dict[str, torch.Tensor], rank: int, ranks: int) -> list[Shard]:
+    """FSDP-style: dim 0 split evenly where it divides, else whole on rank 0."""
+    out = []
+    for name, t in sorted(tensors.items()):
+        if ranks > 1 and t.dim() and t.shape[0] % ranks == 0:
+            n = t.shape[0] // ranks
+            out.append(Shard(name, t[rank * n : (rank + 1) * n].clone(), tuple(t.shape), 0,
+                             rank * n))  # fmt: skip
+        else:
+            out.append(Shard(name, t if rank == 0 else torch.empty(0), tuple(t.shape)))
+    return out
+
+
+def push(llm: LLM, tensors: dict[str, torch.Tensor], trainers: int, tp: int,
+         shards=shards_of) -> list[int]:  # noqa: ANN001  # fmt: skip
+    """One round from `trainers` threads; each rank's bytes sent."""
+    store = dist.TCPStore("127.0.0.1", 0, trainers, is_master=True, wait_for_workers=False)
+    port, sent, errors = free_port(), [0] * trainers, []
+
+    def trainer(rank: int) -> None:
+        try:
+            group = None
+            if trainers > 1:
+                own = dist.TCPStore("127.0.0.1", store.port, trainers, is_master=False)
+                group = dist.ProcessGroupGloo(own, rank, trainers, datetime.timedelta(seconds=60))
+            info = M2NTrainerInitInfo(rank=rank, master_port=port, world_size=trainers + tp,
+                                      num_trainer_ranks=trainers, trainer_group=group,
+                                      timeout_s=60)  # fmt: skip
+            client = InProcessWeightSyncClient(llm) if rank == 0 else None
+            sender = WeightTransferTrainerFactory.trainer_init(
+                info, client, ShardedSource(shards(tensors, rank, trainers))
+            )
+            sender.send_weights("pushed")
+            sent[rank] = sender.bytes_sent
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in range(trainers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    if errors:
+        raise errors[0]
+    return sent
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(["hello world the", "the quick brown"], GREEDY, use_tqdm=False)
+    return [out.outputs[0].token_ids for out in outs]
+
+
+@pytest.mark.parametrize("trainers,tp", [(2, 2), (2, 1), (1, 2), (4, 2)])
+def test_m_trainer_ranks_update_n_engine_ranks(dirs, trainers: int, tp: int) -> None:
+    v1, v2 = dirs
+    new = load_file(str(v2 / "model.safetensors"))
+    fresh = engine(v2, tp, backend=None)
+    llm = engine(v1, tp)
+    try:
+        sent = push(llm, new, trainers, tp)
+        assert llm.get_weight_info()["digest"] == fresh.get_weight_info()["digest"]
+        assert tokens(llm) == tokens(fresh)
+        assert llm.get_world_size() == tp  # every engine rank receives
+        whole = sum(t.numel() * t.element_size() for t in new.values())
+        rank0 = llm.engine.weight_sync.transfer.rank.bytes_received
+        if tp == 2:  # its slices, plus the replicated norms and key/value head
+            assert rank0 < 0.6 * whole
+        assert sum(sent) >= whole  # each byte leaves some trainer rank at least once
+    finally:
+        llm.shutdown()
+        fresh.shutdown()
+
+
+def test_a_malformed_declaration_changes_nothing(dirs) -> None:
+    v1, v2 = dirs
+    new = load_file(str(v2 / "model.safetensors"))
+
+    def overlapping(tensors, rank, ranks):  # noqa: ANN001, ANN202
+        out = shards_of(tensors, rank, ranks)
+        first = out[0]  # a 2-D tensor split on dim 0: rank 1 claims one row too early
+        if rank == 1 and first.dim == 0:
+            out[0] = Shard(first.name, first.tensor, first.shape, 0, first.offset - 1)
+        return out
+
+    llm = engine(v1, 2)
+    try:
+        before = llm.get_weight_info()
+        with pytest.raises(InvalidArgument, match="overlaps") as refused:
+            push(llm, new, 2, 2, overlapping)
+        assert refused.value.field == "init_info.src_shards[0][1].offset"  # the trainer's check
+        bad = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 2,
+               "world_size": 4, "names": ["model.norm.weight"], "dtype_names": ["float32"],
+               "shapes": [[64]], "src_shards": [[{"rank": 0, "dim": 0, "offset": 0, "length": 40},
+                                                 {"rank": 1, "dim": 0, "offset": 32,
+                                                  "length": 32}]]}  # fmt: skip
+        with pytest.raises(InvalidArgument, match="overlaps") as refused:
+            llm.init_weight_transfer_engine(init_info=bad)  # and the engine's, before joining
+        assert refused.value.field == "init_info.src_shards[0][1].offset"
+        bad["src_shards"], bad["shapes"] = [None], [[63]]
+        with pytest.raises(InvalidArgument, match="the model's is") as refused:
+            llm.init_weight_transfer_engine(init_info=bad)
+        assert refused.value.field == "init_info.shapes[0]"
+        assert llm.get_weight_info() == before
+        push(llm, new, 2, 2)  # the engine and its ranks still take a good declaration
+        assert llm.get_weight_info()["version"] == before["version"] + 1
+    finally:
+        llm.shutdown()
+
+
+def test_a_rank_dying_mid_round_stops_the_engine(dirs) -> None:
+    v1, v2 = dirs
+    llm = engine(v1, 2)
+    procs = [psutil.Process(p.pid) for p in llm.engine.runner.workers.procs]
+    original = llm.update_weights
+
+    def dies_first(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        procs[0].kill()  # the worker rank dies as the round's bytes start to move
+        procs[0].wait(10)
+        return original(*args, **kwargs)
+
+    llm.update_weights = dies_first  # type: ignore[method-assign]
+    with pytest.raises((TensorParallelError, RuntimeError)):
+        push(llm, load_file(str(v2 / "model.safetensors")), 1, 2)
+    with pytest.raises(TensorParallelError):  # never serves the weights of one rank
+        llm.generate(["hello"], GREEDY, use_tqdm=False)
