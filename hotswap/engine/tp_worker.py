@@ -11,6 +11,7 @@ In the engine layer: it runs the model and the weight-transfer backends."""
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 import threading
@@ -76,4 +77,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Exit without finalising: gloo groups destroyed during interpreter shutdown (the
+    # transfer thread's may still be in a receive) abort the process.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
