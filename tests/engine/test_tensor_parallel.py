@@ -77,14 +77,15 @@ def test_two_ranks_generate_what_one_does(model_dir) -> None:  # noqa: ANN001
 
 
 @pytest.mark.slow
-def test_pause_keep_and_abort_run_on_every_rank(tiny_model_factory) -> None:
+def test_pause_keep_and_abort_run_on_every_rank_of_every_core(tiny_model_factory) -> None:
     path = tiny_model_factory("qwen3", num_key_value_heads=1)
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     expected = make(path, 1).generate(["one two three"], params, use_tqdm=False)[0]
 
     async def scenario() -> None:
+        # two data-parallel engine cores of two ranks each: four processes
         llm = AsyncLLM(str(path), multiprocess=True, progress=False, dtype="float32",
-                       tensor_parallel_size=2, block_size=8)  # fmt: skip
+                       tensor_parallel_size=2, data_parallel_size=2, block_size=8)  # fmt: skip
         try:
             seen: list = []
             kept = asyncio.ensure_future(_collect(llm, "one two three", params, "kept", seen))
@@ -100,7 +101,7 @@ def test_pause_keep_and_abort_run_on_every_rank(tiny_model_factory) -> None:
             await llm.resume_generation()
             stats = await llm.get_stats()
             assert stats["num_free_blocks"] == stats["num_blocks"]
-            assert await llm.get_world_size() == 1  # the receivers of a weight transfer
+            assert await llm.get_world_size() == 2  # receivers of a broadcast: one per core
         finally:
             llm.shutdown()
 
