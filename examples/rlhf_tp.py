@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _rlhf_http import PROMPT, complete, free_port, load_trainer_model, serve
 
-from hotswap.weight_transfer import HTTPWeightSyncClient, WeightTransferTrainerFactory
-from hotswap.weight_transfer.m2n_trainer import M2NTrainerInitInfo, ShardedSource
+from hotswap.rl import sharded_sender
+from hotswap.weight_transfer import HTTPWeightSyncClient
 
 TRAINER_RANKS = 2
 TARGET = "The capital of France is Paris, a city on the Seine."
@@ -72,14 +72,8 @@ def trainer(rank: int, url: str, name: str, engine_ranks: int, dist_port: int) -
     dist.init_process_group("gloo", rank=rank, world_size=TRAINER_RANKS)
     torch.manual_seed(0)
     model = fsdp_model()
-    port = [free_port()]
-    dist.broadcast_object_list(port)  # every rank joins the same m2n group
-    info = M2NTrainerInitInfo(rank=rank, master_port=port[0], world_size=TRAINER_RANKS +
-                              engine_ranks, num_trainer_ranks=TRAINER_RANKS)  # fmt: skip
-    client = HTTPWeightSyncClient(url) if rank == 0 else None
-    sender = WeightTransferTrainerFactory.trainer_init(
-        info, client, ShardedSource.from_module(model)
-    )
+    # every rank: its shards, to the engine ranks holding their parts (rank 0 commits)
+    sender = sharded_sender(model, HTTPWeightSyncClient(url), engine_ranks=engine_ranks)
     push(sender, url, "step-0")
     if rank == 0:
         text, spans = complete(url, name)
