@@ -13,8 +13,10 @@ from torch import nn
 
 from hotswap.engine.weight_targets import WeightTargets
 from hotswap.model.lora_stage import AdapterStage
+from hotswap.model.parallel import TensorParallelError
 from hotswap.weight_transfer.base import Delta
 from hotswap.weight_transfer.config import WeightTransferConfig
+from hotswap.weight_transfer.m2n import STAGED
 
 
 @dataclass
@@ -84,3 +86,36 @@ class LocalWriter:
 
     def commit_stage(self, names: list[str]) -> None:
         """Nothing is received on other ranks for a model in this process alone."""
+
+
+def write_round(round_: Round, writer: ModelWriter) -> None:
+    """Write a closed round's stage through `writer`: whole tensors, every rank's staged
+    parts (m2n), then deltas. Every staged tensor was checked against its destination, so
+    the copies cannot fail on the data; no backup is kept (it would double a sync's cost):
+    a copy that still fails marks the weights incomplete (WeightApplyError) instead of
+    serving them half-written; ranks that failed stop the engine (TensorParallelError)."""
+    model = round_.targets.model
+    try:
+        if round_.is_checkpoint_format:
+            on_ranks = [name for name, item in round_.staged.items() if item is STAGED]
+            writer.load_weights((name, item) for name, item in round_.staged.items()
+                                if item is not STAGED)  # fmt: skip
+            if on_ranks:
+                writer.commit_stage(on_ranks)
+            if round_.deltas:
+                writer.apply_deltas(round_.deltas)
+        else:
+            params = model.parameter_index()
+            for name, tensor in round_.staged.items():
+                params[name].copy_(tensor)
+            for name, delta in round_.deltas:
+                flat = params[name].data.view(-1)
+                flat[delta.indices] = delta.values.to(flat.dtype)
+    except TensorParallelError:
+        raise  # the ranks failed: nothing serves again (every later collective refuses)
+    except Exception as e:
+        raise WeightApplyError(
+            f"finish_weight_update: writing the weights failed midway ({type(e).__name__}: "
+            f"{e}); the weights are incomplete: no step runs until a complete round or a "
+            f"reload succeeds"
+        ) from e

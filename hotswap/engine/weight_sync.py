@@ -30,14 +30,13 @@ from hotswap.engine.weight_round import (
     LocalWriter,
     ModelWriter,
     Round,
-    WeightApplyError,
     drain,
     fresh_allocator,
+    write_round,
 )
 from hotswap.engine.weight_targets import WeightTargets, claimed_entry
 from hotswap.errors import InvalidArgument
 from hotswap.model.lora_stage import AdapterStage
-from hotswap.model.parallel import TensorParallelError
 from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
 from hotswap.weight_transfer.config import WeightTransferConfig
@@ -368,31 +367,7 @@ class WeightSync:
         model = round_.targets.model
         # The model's own weights go through the writer (every rank); an adapter's stage
         # is this process's alone.
-        writer = self.writer if model is self.model else LocalWriter(model)
-        try:
-            if round_.is_checkpoint_format:
-                on_ranks = [name for name, item in round_.staged.items() if item is STAGED]
-                writer.load_weights((name, item) for name, item in round_.staged.items()
-                                    if item is not STAGED)  # fmt: skip
-                if on_ranks:
-                    self.writer.commit_stage(on_ranks)
-                if round_.deltas:
-                    writer.apply_deltas(round_.deltas)
-            else:
-                params = model.parameter_index()
-                for name, tensor in round_.staged.items():
-                    params[name].copy_(tensor)
-                for name, delta in round_.deltas:
-                    flat = params[name].data.view(-1)
-                    flat[delta.indices] = delta.values.to(flat.dtype)
-        except TensorParallelError:
-            raise  # the ranks failed: nothing serves again (every later collective refuses)
-        except Exception as e:
-            raise WeightApplyError(
-                f"finish_weight_update: writing the weights failed midway ({type(e).__name__}: "
-                f"{e}); the weights are incomplete: no step runs until a complete round or a "
-                f"reload succeeds"
-            ) from e
+        write_round(round_, self.writer if model is self.model else LocalWriter(model))
 
     def _fail_transport(self, error: Exception) -> None:
         if self.round is not None:

@@ -16,7 +16,8 @@ from hotswap.engine.request_manager import RequestManager
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sleep import WEIGHTS, SleepState
 from hotswap.engine.verbs import InlineTensor
-from hotswap.engine.weight_sync import WeightApplyError, WeightSync
+from hotswap.engine.weight_round import WeightApplyError
+from hotswap.engine.weight_sync import WeightSync
 from hotswap.errors import InvalidArgument
 from hotswap.model.lora_stage import AdapterStage
 from hotswap.model.runner import ModelRunner
