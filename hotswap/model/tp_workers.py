@@ -3,7 +3,9 @@ and sending them every call that must run on all ranks.
 
 Invariant: only rank 0's engine-core thread sends on the group, and every rank runs the
 calls it sends in the order sent, so the ranks' collectives always pair up. A call is
-`(runner method name, args)`; the workers run it on their own runner (tp_worker.py).
+`(runner method name, args)`; the workers run it on their own runner. A worker's process
+entry point is `hotswap.engine.tp_worker`, named here only as a module to run (it runs
+the weight-transfer backends too, a layer above the model).
 """
 
 from __future__ import annotations
