@@ -16,6 +16,7 @@ from typing import Any
 from hotswap.engine import verbs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.messages import EngineCoreOutput
+from hotswap.weight_transfer.backends import get_backend
 
 Outputs = list[EngineCoreOutput]
 
@@ -87,8 +88,12 @@ def _collective_rpc(core: EngineCore, args: verbs.CollectiveRpc, out: Outputs) -
 
 
 def _get_world_size(core: EngineCore, args: verbs.GetWorldSize, out: Outputs) -> int:
-    transfer = core.weight_sync.transfer
-    return transfer.world_size() if transfer is not None else 1
+    transfer, config = core.weight_sync.transfer, core.config.weight_transfer
+    if transfer is not None:
+        return transfer.world_size()
+    if config is None:
+        return 1
+    return get_backend(config.backend).receivers(core.config.tensor_parallel_size)
 
 
 def _load_lora_adapter(

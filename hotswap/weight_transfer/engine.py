@@ -100,6 +100,13 @@ class WeightTransferEngine(ABC):
         """Receiving workers behind this engine core."""
         return 1
 
+    @classmethod
+    def receivers(cls, tensor_parallel_size: int) -> int:
+        """Receiving workers behind an engine core of `tensor_parallel_size` ranks, before
+        any init (what a trainer sizes its group with): rank 0 alone, unless every rank
+        receives itself."""
+        return 1
+
 
 # backend name -> its engine class, filled by `register_backend` as each backend module is
 # imported; `hotswap.weight_transfer.backends` imports the built-in ones and looks them up.

@@ -234,3 +234,7 @@ class M2NEngine(WeightTransferEngine):
     def world_size(self) -> int:
         """Every tensor-parallel rank of this engine core receives."""
         return self.ranks.tp_size if self.ranks is not None else 1
+
+    @classmethod
+    def receivers(cls, tensor_parallel_size: int) -> int:
+        return tensor_parallel_size

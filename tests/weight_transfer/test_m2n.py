@@ -100,6 +100,7 @@ def test_m_trainer_ranks_update_n_engine_ranks(dirs, trainers: int, tp: int) -> 
     new = load_file(str(v2 / "model.safetensors"))
     fresh = engine(v2, tp, backend=None)
     llm = engine(v1, tp)
+    assert llm.get_world_size() == tp  # before any init: what the trainer sizes its group by
     try:
         sent = push(llm, new, trainers, tp)
         assert llm.get_weight_info()["digest"] == fresh.get_weight_info()["digest"]
