@@ -7,6 +7,7 @@ the engine instead of serving mixed weights."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import threading
 from pathlib import Path
@@ -17,11 +18,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from hotswap import LLM, SamplingParams
+from hotswap import LLM, AsyncLLM, SamplingParams
 from hotswap.errors import InvalidArgument
 from hotswap.model.parallel import TensorParallelError
 from hotswap.weight_transfer import InProcessWeightSyncClient, WeightTransferTrainerFactory
 from hotswap.weight_transfer.m2n_trainer import M2NTrainerInitInfo, Shard, ShardedSource
+from tests.helpers.waiting import until
 from tests.weight_transfer.conftest import free_port
 
 pytestmark = pytest.mark.slow  # engines with worker processes, trainer groups
@@ -168,3 +170,37 @@ def test_a_rank_dying_mid_round_stops_the_engine(dirs) -> None:
         push(llm, load_file(str(v2 / "model.safetensors")), 1, 2)
     with pytest.raises(TensorParallelError):  # never serves the weights of one rank
         llm.generate(["hello"], GREEDY, use_tqdm=False)
+
+
+def test_an_in_flight_round_is_received_by_every_rank_while_steps_run(dirs) -> None:
+    """Rank 0's receive runs beside the engine loop, the workers' in their transfer
+    threads beside their steps: the request streams across the push (join, round and
+    commit) and its later tokens carry the new version, the commit landing between two
+    steps on every rank."""
+    v1, v2 = dirs
+    new = load_file(str(v2 / "model.safetensors"))
+
+    async def scenario() -> tuple[int, set[int]]:
+        llm = AsyncLLM(str(v1), multiprocess=False, progress=False, dtype="float32",
+                       tensor_parallel_size=2,
+                       weight_transfer_config={"backend": "m2n", "in_flight": True})  # fmt: skip
+        try:
+            outs: list = []
+            params = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
+
+            async def stream() -> None:
+                async for out in llm.generate("hello world", params, request_id="a"):
+                    outs.append(out)
+
+            task = asyncio.ensure_future(stream())
+            await until(lambda: len(outs) >= 5, "the request streams")
+            before = len(outs)
+            await asyncio.get_running_loop().run_in_executor(None, push, llm, new, 2, 2)
+            during = len(outs) - before
+            await task
+            return during, set(outs[-1].outputs[0].token_versions)
+        finally:
+            llm.shutdown()
+
+    during, versions = asyncio.run(scenario())
+    assert during > 0 and versions == {0, 1}
