@@ -6,10 +6,12 @@ machine and later runs reuse it; the tests of the caching machinery itself use a
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jinja2
@@ -55,6 +57,27 @@ def hf_tokenizer(model_dir: Path):
 def _gguf_kwargs() -> dict[str, str]:
     path = dm.find_default_gguf()
     return {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name}
+
+
+@pytest.fixture(scope="module")
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF loader parses the whole file anew for the tokenizer, the config
+    and the model (~4 s each here), and builds gguf's tensor-name map once per submodule
+    of the model (~6 s in all). Both are pure functions of their arguments and only read,
+    so the module's loads share one of each; what they load is unchanged."""
+    gguf = pytest.importorskip("gguf")
+    parse, readers = gguf.GGUFReader, {}
+
+    def reader(path: str, *args: object, **kwargs: object) -> object:
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = parse(path, *args, **kwargs)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 # --- conversion output -------------------------------------------------------------------------
@@ -165,7 +188,7 @@ def test_chat_template_renders_chatml(model_dir: Path) -> None:
 # --- parity with transformers' own GGUF loader --------------------------------------------------
 
 
-def test_tokenizer_matches_transformers_gguf_tokenizer(hf_tokenizer) -> None:
+def test_tokenizer_matches_transformers_gguf_tokenizer(hf_tokenizer, gguf_parsed_once) -> None:
     reference = transformers.AutoTokenizer.from_pretrained(**_gguf_kwargs())
     # Plain text only: some transformers versions get the specials of this file wrong, so ours
     # are checked against pinned ids in test_tokenizer_special_tokens_pinned instead.
@@ -175,7 +198,7 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(hf_tokenizer) -> None:
 
 
 @pytest.mark.slow
-def test_logits_match_transformers_gguf_loader(hf_model, hf_tokenizer) -> None:
+def test_logits_match_transformers_gguf_loader(hf_model, hf_tokenizer, gguf_parsed_once) -> None:
     if importlib.util.find_spec("accelerate") is None:
         pytest.skip("transformers' GGUF loader needs `pip install accelerate`")
     reference = transformers.AutoModelForCausalLM.from_pretrained(

@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from tests.helpers.server import RemoteServer
+from tests.helpers.server import RemoteServer, concurrent_servers
 from tests.helpers.waiting import requests_waiting, until
 
 MODEL = "tiny"
@@ -348,23 +348,33 @@ def test_metrics_report_state(client) -> None:
 
 
 # -- security and control switch ---------------------------------------------------------------
-@pytest.mark.slow
-def test_api_key_and_control_disabled(tiny_llama) -> None:
-    with RemoteServer(tiny_llama, "--served-model-name", MODEL, "--api-key", "sekret") as srv:
-        assert httpx.get(f"{srv.url}/health").status_code == 200  # open
-        anonymous = httpx.get(f"{srv.url}/v1/models")
-        assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == 401
-        wrong = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer nope"})
-        assert wrong.status_code == 401
-        with srv.client() as c:
-            assert c.get("/v1/models").status_code == 200
-            for method, path in [("post", "/pause"), ("get", "/is_paused"), ("post", "/sleep")]:
-                assert getattr(c, method)(path).status_code == 404, path
-        assert srv.stop() == 0  # Ctrl-C: clean exit
+@pytest.fixture(scope="module")
+def switch_servers(tiny_llama):
+    """Control off with an API key, and control on through the environment: started
+    together for the two tests below."""
+    key = (tiny_llama, "--served-model-name", MODEL, "--api-key", "sekret")
+    dev = (tiny_llama, "--served-model-name", MODEL)
+    dev_env = {"HOTSWAP_SERVER_DEV_MODE": "1"}
+    with concurrent_servers(key, dev, envs=[None, dev_env]) as started:
+        yield started
 
 
 @pytest.mark.slow
-def test_dev_mode_environment_enables_control(tiny_llama) -> None:
-    env = {"HOTSWAP_SERVER_DEV_MODE": "1"}
-    with RemoteServer(tiny_llama, "--served-model-name", MODEL, env=env) as srv:
-        assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": False}
+def test_api_key_and_control_disabled(switch_servers) -> None:
+    srv = switch_servers[0]
+    assert httpx.get(f"{srv.url}/health").status_code == 200  # open
+    anonymous = httpx.get(f"{srv.url}/v1/models")
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == 401
+    wrong = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401
+    with srv.client() as c:
+        assert c.get("/v1/models").status_code == 200
+        for method, path in [("post", "/pause"), ("get", "/is_paused"), ("post", "/sleep")]:
+            assert getattr(c, method)(path).status_code == 404, path
+    assert srv.stop() == 0  # Ctrl-C: clean exit
+
+
+@pytest.mark.slow
+def test_dev_mode_environment_enables_control(switch_servers) -> None:
+    srv = switch_servers[1]  # no --enable-control
+    assert httpx.get(f"{srv.url}/is_paused").json() == {"is_paused": False}

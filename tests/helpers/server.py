@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import re
 import subprocess
@@ -9,6 +11,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -103,6 +106,24 @@ class RemoteServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def concurrent_servers(
+    *specs: Sequence[Path | str], envs: Sequence[dict[str, str] | None] = ()
+) -> Iterator[list[RemoteServer]]:
+    """Several `RemoteServer(*spec, env=env)` started at once (listed as given): a start-up
+    mostly runs on one core (the server's imports, then its engine process's), so on two
+    cores two start-ups take little longer than one. All are stopped on exit, and the ones
+    that did start are stopped when another one fails to."""
+    envs = list(envs) or [None] * len(specs)
+    with concurrent.futures.ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(RemoteServer, *spec, env=env) for spec, env in zip(specs, envs)]
+    with contextlib.ExitStack() as stack:
+        for future in futures:
+            if future.exception() is None:
+                stack.callback(future.result().stop)
+        yield [future.result() for future in futures]  # raises the first failure, if any
 
 
 def _flag_value(args: tuple[str, ...], flag: str) -> str | None:

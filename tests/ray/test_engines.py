@@ -4,6 +4,8 @@ the two-phase commit — over the `ray` backend (object store) and over gloo."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 
 # Engine cores as Ray actors (a local Ray): slow.
@@ -95,10 +97,12 @@ def test_one_send_through_the_object_store_updates_every_actor(engines, v2_train
 @pytest.mark.slow
 def test_a_gloo_round_one_actor_refuses_is_committed_by_none(local_ray, v1_dir,
                                                              v2_trainer) -> None:  # fmt: skip
-    strict = launch_engines(1, str(v1_dir), {**ARGS, "weight_transfer_config":
-                            {"backend": "gloo", "require_complete": True}}, **ENGINE)  # fmt: skip
-    lenient = launch_engines(1, str(v1_dir), {**ARGS, "weight_transfer_config":
-                             {"backend": "gloo"}}, **ENGINE)  # fmt: skip
+    configs = [{"backend": "gloo", "require_complete": True}, {"backend": "gloo"}]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two start side by side
+        launches = [pool.submit(launch_engines, 1, str(v1_dir),
+                                {**ARGS, "weight_transfer_config": config}, **ENGINE)
+                    for config in configs]  # fmt: skip
+    strict, lenient = (launch.result() for launch in launches)
     try:
         group = RayEngineGroup([strict[0], lenient[0]], names=strict.names + lenient.names)
         assert group.num_workers == 2

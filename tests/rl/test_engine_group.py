@@ -4,6 +4,8 @@ the other one (which alone would have accepted it) keeps its previous weights to
 
 from __future__ import annotations
 
+import functools
+
 import httpx
 import pytest
 
@@ -17,7 +19,7 @@ from hotswap.weight_transfer import (
     TensorSource,
     WeightTransferTrainerFactory,
 )
-from tests.helpers.server import RemoteServer
+from tests.helpers.server import concurrent_servers
 from tests.weight_transfer.conftest import free_port
 
 # Several servers behind one group: slow.
@@ -30,13 +32,13 @@ LENIENT = '{"backend": "gloo"}'
 
 @pytest.fixture(scope="module")
 def servers(v1_dir):  # noqa: ANN201
-    with (
-        RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", STRICT) as strict,
-        RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", LENIENT) as lenient,
-    ):
-        yield strict, lenient
+    strict = (v1_dir, *ARGS, "--weight-transfer-config", STRICT)
+    lenient = (v1_dir, *ARGS, "--weight-transfer-config", LENIENT)
+    with concurrent_servers(strict, lenient) as started:
+        yield tuple(started)
 
 
+@functools.cache  # a checkpoint's digest: one engine per checkpoint, not one per call
 def digest(path) -> str:  # noqa: ANN001
     return LLM(str(path), dtype="float32", progress=False).get_weight_info()["digest"]
 

@@ -22,7 +22,7 @@ from hotswap.weight_transfer import (
     WeightSyncError,
     WeightTransferTrainerFactory,
 )
-from tests.helpers.server import RemoteServer
+from tests.helpers.server import RemoteServer, concurrent_servers
 from tests.weight_transfer.conftest import free_port
 
 # Servers and trainer processes: slow.
@@ -40,14 +40,27 @@ def complete(server: RemoteServer) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def gloo_server(v1_dir):
-    with RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", '{"backend": "gloo"}') as srv:
-        yield srv
+def module_servers(v1_dir, v2_dir):
+    """The gloo server the first tests sync into (V1), and a plain one on V2 (control on,
+    no weight transfer configured) whose answers are what a sync to V2 must reproduce;
+    nothing changes the plain one's weights. Started together."""
+    gloo = (v1_dir, *ARGS, "--weight-transfer-config", '{"backend": "gloo"}')
+    with concurrent_servers(gloo, (v2_dir, *ARGS)) as started:
+        yield started
 
 
-def test_gloo_sync_over_http(gloo_server, v1_trainer, v2_trainer, v1_dir, v2_dir) -> None:
-    with RemoteServer(v2_dir, *ARGS) as reference:
-        expected, expected_digest = complete(reference), reference_digest(reference)
+@pytest.fixture(scope="module")
+def gloo_server(module_servers) -> RemoteServer:
+    return module_servers[0]
+
+
+@pytest.fixture(scope="module")
+def v2_server(module_servers) -> RemoteServer:
+    return module_servers[1]
+
+
+def test_gloo_sync_over_http(gloo_server, v2_server, v1_trainer, v2_trainer) -> None:
+    expected, expected_digest = complete(v2_server), reference_digest(v2_server)
     before = complete(gloo_server)
     client = HTTPWeightSyncClient(gloo_server.url)
     assert httpx.get(f"{gloo_server.url}/get_world_size").json() == {"world_size": 1}
@@ -150,10 +163,9 @@ def test_trainer_killed_mid_round_keeps_previous_weights(gloo_server, v1_trainer
     assert reference_digest(gloo_server) == before_digest  # V1 again, re-sent
 
 
-def test_ipc_sync_over_http(v1_dir, v2_trainer, v2_dir) -> None:
+def test_ipc_sync_over_http(v1_dir, v2_server, v2_trainer) -> None:
     config = '{"backend": "ipc", "require_complete": true}'
-    with RemoteServer(v2_dir, *ARGS) as reference:
-        expected = complete(reference)
+    expected = complete(v2_server)
     with RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", config) as server:
         client = HTTPWeightSyncClient(server.url)
         info = IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=32 << 10)
@@ -164,10 +176,9 @@ def test_ipc_sync_over_http(v1_dir, v2_trainer, v2_dir) -> None:
         assert complete(server) == expected
 
 
-def test_weight_routes_need_control_and_config(v1_dir) -> None:
-    with RemoteServer(v1_dir, *ARGS) as server:
-        r = httpx.post(f"{server.url}/start_weight_update")
-        assert r.status_code == 409 and "not configured" in r.json()["error"]["message"]
+def test_weight_routes_need_control_and_config(v1_dir, v2_server) -> None:
+    r = httpx.post(f"{v2_server.url}/start_weight_update")  # control on, no config
+    assert r.status_code == 409 and "not configured" in r.json()["error"]["message"]
     with RemoteServer(v1_dir, "--served-model-name", "tiny") as server:
         assert httpx.post(f"{server.url}/start_weight_update").status_code == 404
 
@@ -176,20 +187,21 @@ def test_sparse_and_disk_over_http(v1_dir, v1_trainer, tmp_path) -> None:
     from hotswap.weight_transfer import DiskTrainerInitInfo, SparsePatch, SparseTrainerInitInfo
 
     norm = v1_trainer.model.norm.weight.detach()
-    with RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", '{"backend": "sparse"}') as srv:
-        before = reference_digest(srv)
-        client = HTTPWeightSyncClient(srv.url)
+    specs = [(v1_dir, *ARGS, "--weight-transfer-config", f'{{"backend": "{backend}"}}')
+             for backend in ("sparse", "disk")]  # fmt: skip
+    with concurrent_servers(*specs) as (sparse, disk):
+        before = reference_digest(sparse)
+        client = HTTPWeightSyncClient(sparse.url)
         info = SparseTrainerInitInfo(master_port=free_port(), world_size=2)
         engine = WeightTransferTrainerFactory.trainer_init(info, client, None)
         patch = SparsePatch("model.norm.weight", tuple(norm.shape), torch.tensor([1, 7]),
                             torch.tensor([5.0, -5.0]))  # fmt: skip
         engine.send_patches([patch], "patched")
-        assert reference_digest(srv) != before
+        assert reference_digest(sparse) != before
         engine.send_patches([SparsePatch(patch.name, patch.shape, patch.indices, norm[[1, 7]])])
-        assert reference_digest(srv) == before  # patched back
-    with RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", '{"backend": "disk"}') as srv:
-        before = reference_digest(srv)
-        client = HTTPWeightSyncClient(srv.url)
+        assert reference_digest(sparse) == before  # patched back
+        assert reference_digest(disk) == before  # V1 too
+        client = HTTPWeightSyncClient(disk.url)
         info = DiskTrainerInitInfo(directory=str(tmp_path / "sync"))
         engine = WeightTransferTrainerFactory.trainer_init(info, client, ModuleSource(v1_trainer))
         engine.send_weights("from-disk")

@@ -24,7 +24,7 @@ from hotswap.weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from tests.helpers.server import RemoteServer
+from tests.helpers.server import RemoteServer, concurrent_servers
 from tests.weight_transfer.conftest import free_port
 
 # Every test here talks to a server (its own process and engine): slow.
@@ -46,11 +46,23 @@ def v2_dir(tiny_model_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(v1_dir):
+def servers(v1_dir):
+    """The module's server (a worker extension, gloo), and a plain one (neither), started
+    together."""
     args = (*ARGS, "--worker-extension-cls", EXTENSION, "--weight-transfer-config",
             '{"backend": "gloo"}')  # fmt: skip
-    with RemoteServer(v1_dir, *args) as srv:
-        yield srv
+    with concurrent_servers((v1_dir, *args), (v1_dir, *ARGS)) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def server(servers) -> RemoteServer:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def plain_server(servers) -> RemoteServer:
+    return servers[1]
 
 
 @pytest.fixture
@@ -125,10 +137,9 @@ def test_collective_rpc_only_calls_declared_methods(server, http) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "body.method"
 
 
-def test_collective_rpc_needs_an_extension(tiny_model_factory) -> None:
-    with RemoteServer(tiny_model_factory("llama", seed=0), *ARGS) as srv:
-        r = httpx.post(f"{srv.url}/collective_rpc", json={"method": "rank_and_device"})
-        assert r.status_code == 400 and "--worker-extension-cls" in r.json()["error"]["message"]
+def test_collective_rpc_needs_an_extension(plain_server) -> None:
+    r = httpx.post(f"{plain_server.url}/collective_rpc", json={"method": "rank_and_device"})
+    assert r.status_code == 400 and "--worker-extension-cls" in r.json()["error"]["message"]
 
 
 def test_finish_answers_per_tensor_checksums(server, http, v1_dir) -> None:
