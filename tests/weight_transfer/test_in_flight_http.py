@@ -47,9 +47,10 @@ def complete(url: str, prompt: str) -> dict:
     return response.json()["choices"][0]
 
 
-def running(url: str) -> float:
+def gauge(url: str, state: str) -> float:
+    """hotswap:num_requests_{state} (running, waiting) as the server reports it now."""
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("hotswap:num_requests_running"):
+        if line.startswith(f"hotswap:num_requests_{state}"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -61,12 +62,15 @@ def test_a_round_lands_mid_flight_without_a_pause(server, v2_trainer, kv_policy)
     info = GlooTrainerInitInfo(master_port=free_port(), world_size=2)
     sync = WeightTransferTrainerFactory.trainer_init(info, client, ModuleSource(v2_trainer))
     prompts = ["The quick brown fox", "Paged attention", "One two three", "Weights arrive"]
+    # The requests are held until all four have arrived, then start together: a
+    # request's 480 tokens take under a second, so one started alone could end before the
+    # last arrives (the round itself then lands with no pause around it).
+    httpx.post(f"{server.url}/pause", params={"mode": "keep"}).raise_for_status()
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(complete, server.url, p) for p in prompts]
-        deadline = time.monotonic() + 60
-        while running(server.url) < len(prompts):
-            assert time.monotonic() < deadline, "the requests never ran together"
-            time.sleep(0.02)
+        wait_until(lambda: gauge(server.url, "waiting") == len(prompts), "all four arrived")
+        httpx.post(f"{server.url}/resume").raise_for_status()
+        wait_until(lambda: gauge(server.url, "running") == len(prompts), "they run together")
         committed = sync.send_weights(f"step-{kv_policy}", kv_policy=kv_policy)
         choices = [f.result() for f in futures]
     assert committed.label == f"step-{kv_policy}"
