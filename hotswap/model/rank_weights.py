@@ -83,12 +83,10 @@ class RankWeights:
         return loaded
 
     def _check_shape(self, name: str, tensor: torch.Tensor) -> None:
-        target = self.model.checkpoint_view(name)
-        if target is None:
+        found = self.checkpoint_part(name)
+        if found is None:
             return
-        piece = self.model.checkpoint_slice(name)
-        shape = tuple(target[1].shape)
-        expected = shape if piece is None else piece.full_shape(shape)
+        expected = found[0]
         if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "

@@ -125,9 +125,6 @@ class TensorParallelWorkers:
     def kill(self) -> None:
         _kill(self.procs)
 
-    def alive(self) -> list[bool]:
-        return [proc.poll() is None for proc in self.procs]
-
 
 def _kill(procs: list[subprocess.Popen]) -> None:
     for proc in procs:

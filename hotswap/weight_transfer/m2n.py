@@ -115,7 +115,7 @@ def worker_call(
     if name == "m2n_join":
         info = parse_info(M2NInitInfo, args[0], "init_info")
         joined = M2NRank(device, ranks.engine_rank, ranks.rank_stage)
-        joined.join(info, own_parts(ranks, info.names), None)
+        joined.join(info, checked_parts(ranks, info), None)
         return joined
     if name == "m2n_receive":
         assert rank is not None, "m2n: no group joined"
@@ -126,12 +126,25 @@ def worker_call(
     return None
 
 
-def own_parts(ranks: RankTransfer, names: list[str]) -> list[Part]:
-    """This rank's part of each tensor ((0, 0, 0): none, for a tensor the model ignores)."""
+def checked_parts(ranks: RankTransfer, info: M2NInitInfo) -> list[Part]:
+    """This rank's part of each declared tensor ((0, 0, 0): none, for one the model
+    ignores); refuses a tensor the model does not have, or in another shape."""
     parts: list[Part] = []
-    for name in names:
-        found = ranks.checkpoint_part(name)
-        parts.append((0, 0, 0) if found is None else found[1])
+    for i, name in enumerate(info.names):
+        try:
+            found = ranks.checkpoint_part(name)
+        except ValueError as e:
+            raise InvalidArgument(f"init_info.names[{i}]",
+                                  f"init_info.names[{i}]: {e}") from None  # fmt: skip
+        if found is None:
+            parts.append((0, 0, 0))  # a tensor the model ignores: no piece for it
+            continue
+        shape, part = found
+        if tuple(info.shapes[i]) != tuple(shape):
+            raise InvalidArgument(f"init_info.shapes[{i}]", f"init_info.shapes[{i}]: "
+                                  f"{info.shapes[i]} for {name!r}; the model's is "
+                                  f"{list(shape)}")  # fmt: skip
+        parts.append(part)
     return parts
 
 
@@ -155,33 +168,12 @@ class M2NEngine(WeightTransferEngine):
         info = self.parse_init_info(init_info)
         assert isinstance(info, M2NInitInfo) and self.ranks is not None
         self.check_master_address(info.master_address)
-        own = self._check_model(info)
+        own = checked_parts(self.ranks, info)
         self.shutdown()
         self.ranks.tell_workers(("m2n_join", (init_info,)))
         rank = M2NRank(self.device, self.ranks.engine_rank, self.ranks.rank_stage)
         self._together(lambda: rank.join(info, own, self.cancel))
         self.rank = rank
-
-    def _check_model(self, info: M2NInitInfo) -> list[Part]:
-        """This rank's parts; refuses a tensor the model does not have or in another shape."""
-        assert self.ranks is not None
-        parts: list[Part] = []
-        for i, name in enumerate(info.names):
-            try:
-                found = self.ranks.checkpoint_part(name)
-            except ValueError as e:
-                raise InvalidArgument(f"init_info.names[{i}]",
-                                      f"init_info.names[{i}]: {e}") from None  # fmt: skip
-            if found is None:
-                parts.append((0, 0, 0))  # a tensor the model ignores: no piece for it
-                continue
-            shape, part = found
-            if tuple(info.shapes[i]) != tuple(shape):
-                raise InvalidArgument(f"init_info.shapes[{i}]", f"init_info.shapes[{i}]: "
-                                      f"{info.shapes[i]} for {name!r}; the model's is "
-                                      f"{list(shape)}")  # fmt: skip
-            parts.append(part)
-        return parts
 
     def _together(self, own: Callable[[], None]) -> None:
         """Run this rank's part of a transfer call, then every rank's errors: the first
