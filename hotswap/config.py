@@ -125,6 +125,8 @@ class EngineConfig:
     data_parallel_rank: int = 0  # which engine core this is (unseeded sampling differs)
     # ranks the model is split over (model/parallel.py): rank 0 here, the others workers
     tensor_parallel_size: int = 1
+    # where ranks 1.. run: "mp" worker processes, "ray" actors (hotswap.ray.tp_workers)
+    distributed_executor_backend: str = "mp"
     logprobs_mode: str = "raw_logprobs"  # vLLM's: raw_/processed_ logprobs/logits
     # Disk reloads read only files whose real path lies under one of these (real paths).
     allowed_weight_dirs: tuple[Path, ...] = ()
@@ -240,13 +242,17 @@ def check_data_parallel_backend(backend: object, ray_address: object) -> str:
         raise InvalidArgument(
             "ray_address", f"ray_address: must be a cluster address, got {ray_address!r}"
         )
-    if backend == "ray" and importlib.util.find_spec("ray") is None:
-        raise InvalidArgument(
-            "data_parallel_backend",
-            "data_parallel_backend: 'ray' needs Ray, which is not installed: "
-            "pip install 'hotswap[ray]'",
-        )
+    if backend == "ray":
+        check_ray_installed("data_parallel_backend")
     return backend  # type: ignore[return-value]
+
+
+def check_ray_installed(field: str) -> None:
+    """Ray looked up, not imported: the core never imports it."""
+    if importlib.util.find_spec("ray") is None:
+        raise InvalidArgument(
+            field, f"{field}: 'ray' needs Ray, which is not installed: pip install 'hotswap[ray]'"
+        )
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

@@ -26,6 +26,7 @@ from hotswap.config import (
     check_device,
     check_logprobs_mode,
     check_positive,
+    check_ray_installed,
     parse_dtype,
     read_hf_config,
     resolve_model_path,
@@ -80,6 +81,13 @@ class EngineArgs:
         "ranks each engine core's model is split over (vLLM's flag): rank 0 in the engine "
         "core, the others in worker processes, one gloo group (NCCL on CUDA)",
         aliases=("-tp",),
+    )
+    distributed_executor_backend: str | None = arg(
+        None,
+        "where ranks 1.. of --tensor-parallel-size run (vLLM's flag): mp, worker processes; "
+        "ray, Ray actors in the engine core's placement group; uni, no workers (one rank). "
+        "Default: ray with --data-parallel-backend ray, else mp",
+        choices=("mp", "ray", "uni"),
     )
     data_parallel_backend: str = arg(
         "mp",
@@ -222,6 +230,7 @@ class EngineArgs:
             weight_transfer=self._weight_transfer_config(),
             data_parallel_rank=self.data_parallel_rank,
             tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self._executor_backend(),
             logprobs_mode=check_logprobs_mode(self.logprobs_mode),
             allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
             worker_extension_cls=check_class_path(self.worker_extension_cls),
@@ -245,6 +254,16 @@ class EngineArgs:
             )
         return config
 
+    def _executor_backend(self) -> str:
+        """vLLM's rule: the data-parallel backend's unless set; Ray checked as for DP."""
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "ray" if self.data_parallel_backend == "ray" else "mp"
+        backend = check_choice("distributed_executor_backend", backend, ("mp", "ray", "uni"))
+        if backend == "ray" and self.tensor_parallel_size > 1:
+            check_ray_installed("distributed_executor_backend")
+        return "mp" if backend == "uni" else backend
+
     def _check_tensor_parallel(self) -> None:
         """What does not run tensor-parallel yet is refused here, naming its flag."""
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -253,7 +272,7 @@ class EngineArgs:
         refused = {
             "enable_lora": self.enable_lora,
             "worker_extension_cls": self.worker_extension_cls is not None,
-            "data_parallel_backend": self.data_parallel_backend == "ray",
+            "distributed_executor_backend": self.distributed_executor_backend == "uni",
             "enable_return_routed_experts": self.enable_return_routed_experts,
         }
         for name, value in refused.items():

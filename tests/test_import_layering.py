@@ -55,6 +55,10 @@ LAYERS = {
     # beside the process one, built from engine parts alone. AsyncLLM imports it, deferred,
     # when data_parallel_backend is "ray" (the `ray` import itself stays in hotswap.ray).
     "hotswap.ray.dp": 3,
+    # ... and tensor-parallel worker ranks as Ray actors, which hotswap.ray.dp's cores place
+    # on their groups (the model layer names it only as a module to load, for
+    # distributed_executor_backend "ray")
+    "hotswap.ray.tp_workers": 3,
 }
 RAY_PACKAGE = "hotswap.ray"
 

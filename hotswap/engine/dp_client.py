@@ -34,11 +34,12 @@ _MAX_STATS = frozenset({"weight_version", "sleep_level", "step_ms_p50", "step_ms
 
 
 def rank_args(args: EngineArgs, rank: int) -> EngineArgs:
-    """One rank's engine: its own GPU (cuda:base+rank), a share of the CPU threads."""
+    """One rank's engine: its own GPUs (cuda:base + rank x tensor_parallel_size, its
+    tensor-parallel ranks on the next ones), a share of the CPU threads."""
     device = args.device
     if device.startswith("cuda"):
         base = int(device.partition(":")[2] or 0)
-        device = f"cuda:{base + rank}"
+        device = f"cuda:{base + rank * args.tensor_parallel_size}"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = args.num_threads or max(1, (cpus or 1) // args.data_parallel_size)
     return dataclasses.replace(

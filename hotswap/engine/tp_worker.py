@@ -1,15 +1,17 @@
 """A tensor-parallel worker: rank 1.. of one engine core's group, in its own process.
 
 Started by rank 0 (model/tp_workers.py) as `python -m hotswap.engine.tp_worker HOST PORT
-RANK SIZE`; reads the engine config from rank 0's store, builds its share of the model,
-then runs every call rank 0 sends, in order, until told to stop or the group fails (rank
-0's process ended: its sockets close, and the worker exits with it). A second thread runs
-the weight transfers this rank receives itself (weight_transfer/m2n.py), so a round is
-received while steps run; its stage is written into the model by a call on the first.
-In the engine layer: it runs the model and the weight-transfer backends."""
+RANK SIZE`, or as a Ray actor calling `run_rank` (hotswap/ray/tp_workers.py); reads the
+engine config from rank 0's store, builds its share of the model, then runs every call
+rank 0 sends, in order, until told to stop or the group fails (rank 0's process ended: its
+sockets close, and the worker exits with it). A second thread runs the weight transfers
+this rank receives itself (weight_transfer/m2n.py), so a round is received while steps
+run; its stage is written into the model by a call on the first. In the engine layer: it
+runs the model and the weight-transfer backends."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -29,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 def serve(host: str, port: int, rank: int, size: int) -> int:
     store = dist.TCPStore(host, port, size, is_master=False, timeout=GROUP_TIMEOUT)
-    config = pickle.loads(store.get("config"))
+    # The launcher chose this rank's device (`cuda:0` in a Ray actor given one GPU).
+    device = store.get(f"device{rank}").decode()
+    config = dataclasses.replace(pickle.loads(store.get("config")), device=device)
     torch.set_num_threads(int(store.get("threads")))
     store.set(f"joining{rank}", b"1")
     groups = connect_channels(store, rank, size, config.device)
@@ -67,13 +71,18 @@ def _transfers(runner: ModelRunner, channel: TPGroup) -> None:
         logger.warning("tensor-parallel transfers end: %s", e)
 
 
-def main() -> int:
-    host, port, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+def run_rank(host: str, port: int, rank: int, size: int) -> int:
+    """`serve`, ending quietly (code 2) when the group fails: rank 0 has gone."""
     try:
         return serve(host, port, rank, size)
     except TensorParallelError as e:
         logger.warning("tensor-parallel rank %d ends: %s", rank, e)
         return 2
+
+
+def main() -> int:
+    host, port, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    return run_rank(host, port, rank, size)
 
 
 if __name__ == "__main__":

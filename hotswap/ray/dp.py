@@ -8,8 +8,10 @@ them, says READY and serves until SHUTDOWN, as the child process does. The socke
 CURVE servers (encrypted, and only a peer given the front-end's public key, through Ray,
 can connect): anyone who reached a plain TCP port could otherwise take a share of the
 requests a PUSH socket deals out, or forge outputs. The ObjectRef of `run` is the liveness
-signal: once it is ready the core has ended or its actor has died. The ranks sit one per
-bundle of one placement group (PACK).
+signal: once it is ready the core has ended or its actor has died. Each rank has its own
+placement group (vLLM's layout): one bundle per tensor-parallel rank (STRICT_PACK: they
+meet on the node's loopback), the core on bundle 0, its worker actors on the others
+(`hotswap.ray.tp_workers`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hotswap.engine.core_client import CoreRunner, EngineCoreClient, MPEngineCli
 from hotswap.engine.core_proc import run_engine_core
 from hotswap.engine.dp_client import RankLauncher, rank_args
 from hotswap.engine_args import EngineArgs
+from hotswap.ray.tp_workers import GROUP_PREFIX
 
 NAMESPACE = "hotswap"  # the ranks' actors are named hotswap-dp-rank-{rank}-{tag} in it
 PLACEMENT_TIMEOUT_S = 120.0
@@ -138,26 +141,29 @@ def ray_rank_args(args: EngineArgs, rank: int) -> EngineArgs:
 
 
 def rank_resources(args: EngineArgs) -> dict[str, float]:
-    """The bundle one rank (after `ray_rank_args`) reserves: its CPU threads, its GPU."""
-    bundle = {"CPU": float(args.num_threads or 1)}
+    """The bundle one tensor-parallel rank of a core (after `ray_rank_args`) reserves: its
+    share of the core's CPU threads, its GPU."""
+    threads = max(1, (args.num_threads or 1) // args.tensor_parallel_size)
+    bundle = {"CPU": float(threads)}
     if args.device.startswith("cuda"):
         bundle["GPU"] = 1.0
     return bundle
 
 
 class RayRankLauncher(RankLauncher):
-    """Connects to Ray (or starts a local one), reserves one placement-group bundle per
-    rank, and starts each rank's actor on its bundle. `shutdown` removes the group and shuts
-    Ray down if this launcher initialized it."""
+    """Connects to Ray (or starts a local one), reserves one placement group per rank, and
+    starts each rank's actor on bundle 0 of its group. `shutdown` removes the groups and
+    shuts Ray down if this launcher initialized it."""
 
     def __init__(self, engine_args: EngineArgs) -> None:
         self.owns_ray = False
-        self.placement: PlacementGroup | None = None
+        self.placements: list[PlacementGroup] = []
         self.tag = uuid.uuid4().hex[:8]
         try:
             self.owns_ray = _init_ray(engine_args.ray_address)
             self.actor_class = ray.remote(EngineCoreActor)
-            self.placement = _reserve(engine_args, self.tag)
+            for rank in range(engine_args.data_parallel_size):
+                self.placements.append(_reserve(engine_args, rank, self.tag))
         except BaseException:
             self.shutdown()
             raise
@@ -168,20 +174,20 @@ class RayRankLauncher(RankLauncher):
         options = {
             "name": f"hotswap-dp-rank-{rank}-{self.tag}",
             "namespace": NAMESPACE,
-            "num_cpus": resources["CPU"],
+            "num_cpus": resources["CPU"],  # its workers reserve the other bundles
             "num_gpus": resources.get("GPU", 0),
             "max_restarts": 0,  # a dead rank fails its requests; it does not come back
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self.placement, placement_group_bundle_index=rank
+                self.placements[rank], placement_group_bundle_index=0
             ),
         }
         return MPEngineClient(args, runner=RayCoreRunner(self.actor_class, options))
 
     def shutdown(self) -> None:
-        if self.placement is not None:
+        for group in self.placements:
             with contextlib.suppress(Exception):
-                remove_placement_group(self.placement)
-            self.placement = None
+                remove_placement_group(group)
+        self.placements = []
         if self.owns_ray:
             self.owns_ray = False
             ray.shutdown()
@@ -196,15 +202,19 @@ def _init_ray(address: str | None) -> bool:
     return True
 
 
-def _reserve(engine_args: EngineArgs, tag: str) -> PlacementGroup:
-    size = engine_args.data_parallel_size
-    bundles = [rank_resources(ray_rank_args(engine_args, rank)) for rank in range(size)]
-    group = placement_group(bundles, strategy="PACK", name=f"hotswap-dp-{tag}")
+def _reserve(engine_args: EngineArgs, rank: int, tag: str) -> PlacementGroup:
+    """Rank `rank`'s group: one bundle per tensor-parallel rank, named as a tensor-parallel
+    group (`tp_workers.GROUP_PREFIX`) so the core places its workers on it."""
+    size = engine_args.tensor_parallel_size
+    bundles = [rank_resources(ray_rank_args(engine_args, rank)) for _ in range(size)]
+    group = placement_group(bundles, strategy="STRICT_PACK" if size > 1 else "PACK",
+                            name=f"{GROUP_PREFIX}{tag}-{rank}")  # fmt: skip
     if not group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
         free = ray.available_resources()
         remove_placement_group(group)
         raise RuntimeError(
-            f"data_parallel_backend ray: the cluster could not place {size} engine core(s) "
-            f"of {bundles[0]} each within {PLACEMENT_TIMEOUT_S:.0f} s (free: {free})"
+            f"data_parallel_backend ray: the cluster could not place engine core {rank} "
+            f"({size} bundle(s) of {bundles[0]} on one node) within "
+            f"{PLACEMENT_TIMEOUT_S:.0f} s (free: {free})"
         )
     return group

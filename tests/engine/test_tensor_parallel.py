@@ -116,7 +116,7 @@ async def _collect(llm: AsyncLLM, prompt: str, params: SamplingParams, rid: str,
 
 def _workers(core) -> list[psutil.Process]:  # noqa: ANN001
     """The worker processes of an engine core (rank 0 runs in it)."""
-    return [psutil.Process(p.pid) for p in core.runner.workers.procs]
+    return [psutil.Process(w.proc.pid) for w in core.runner.workers.workers]
 
 
 @pytest.mark.slow
@@ -166,6 +166,8 @@ def test_a_model_that_cannot_split_is_refused_and_leaves_no_worker(tiny_model_fa
         ({"weight_transfer_config": {"backend": "ipc", "double_buffer": True}},
          "weight_transfer_config.double_buffer"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"distributed_executor_backend": "uni"}, "distributed_executor_backend"),
+        ({"distributed_executor_backend": "external_launcher"}, "distributed_executor_backend"),
     ],
 )  # fmt: skip
 def test_what_does_not_run_tensor_parallel_yet_is_refused(tiny_llama, kwargs, field) -> None:

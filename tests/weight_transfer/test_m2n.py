@@ -157,7 +157,7 @@ def test_a_malformed_declaration_changes_nothing(dirs) -> None:
 def test_a_rank_dying_mid_round_stops_the_engine(dirs) -> None:
     v1, v2 = dirs
     llm = engine(v1, 2)
-    procs = [psutil.Process(p.pid) for p in llm.engine.runner.workers.procs]
+    procs = [psutil.Process(w.proc.pid) for w in llm.engine.runner.workers.workers]
     original = llm.update_weights
 
     def dies_first(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
