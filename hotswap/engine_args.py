@@ -273,7 +273,6 @@ class EngineArgs:
             "enable_lora": self.enable_lora,
             "worker_extension_cls": self.worker_extension_cls is not None,
             "distributed_executor_backend": self.distributed_executor_backend == "uni",
-            "enable_return_routed_experts": self.enable_return_routed_experts,
         }
         for name, value in refused.items():
             if value:

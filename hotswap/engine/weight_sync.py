@@ -158,8 +158,9 @@ class WeightSync:
                 self.transfer, self.round = None, None
             raise
         checkpoint = self.round.is_checkpoint_format
+        targets, sparse = self.round.targets, self.transfer.sends_deltas
         problems = [(i, p) for i, m in enumerate(metas)
-                    if (p := self.round.targets.check(m, checkpoint)) is not None]  # fmt: skip
+                    if (p := targets.check(m, checkpoint, sparse)) is not None]  # fmt: skip
         if problems:  # drained into scratch memory: never over a buffer staged earlier
             self.transfer.allocate = fresh_allocator(self.device)
         try:

@@ -27,11 +27,15 @@ class WeightTargets:
             raise ValueError(f"weights: unknown parameter {name!r} (engine format)")
         return name, params[name].data
 
-    def check(self, meta: ParamMeta, checkpoint: bool) -> tuple[str, str] | None:
-        """None if the model can take `meta`'s tensor; else (what is wrong with it: name,
-        shape or dtype; why)."""
+    def check(
+        self, meta: ParamMeta, checkpoint: bool, sparse: bool = False
+    ) -> tuple[str, str] | None:
+        """None if the model can take `meta`'s tensor (`sparse`: as a delta); else (what
+        is wrong with it: name, shape or dtype; why)."""
         try:
             expected = self.destination(meta.name, checkpoint)
+            if sparse and checkpoint and expected is not None:
+                self._single_slice(meta.name)
         except ValueError as e:
             return "name", str(e)
         if expected is None:
@@ -70,10 +74,17 @@ class WeightTargets:
 
     def _full_shape(self, name: str, dest: torch.Tensor, checkpoint: bool) -> tuple[int, ...]:
         """The shape sent for `name`: the whole checkpoint tensor, of which a
-        tensor-parallel rank holds a slice (an adapter's stage holds whole tensors)."""
+        tensor-parallel rank holds a share (an adapter's stage holds whole tensors)."""
+        shape_of = getattr(self.model, "checkpoint_shape", None)
+        return shape_of(name) if checkpoint and shape_of is not None else tuple(dest.shape)
+
+    def _single_slice(self, name: str) -> None:
+        """ValueError unless this rank's share of checkpoint tensor `name` is one slice of
+        it, where a delta's flat indices can be mapped (not a stacked gate_up_proj of
+        experts under tensor parallelism)."""
         slice_of = getattr(self.model, "checkpoint_slice", None)
-        piece = slice_of(name) if checkpoint and slice_of is not None else None
-        return tuple(dest.shape) if piece is None else piece.full_shape(tuple(dest.shape))
+        if slice_of is not None:
+            slice_of(name)
 
     def missing(self, staged: set[str], checkpoint: bool) -> list[str]:
         if not checkpoint:

@@ -8,6 +8,12 @@ A step's (token, slot) pairs are sorted by expert once; each expert's rows then 
 GEMM pair on a view of its weights (no copy), so the Python loop is over the experts a
 step hits, never over tokens. Measured against one padded batched matmul over all the
 experts in benchmarks/moe.py.
+
+Under tensor parallelism (vLLM's layout) every rank holds every expert, but only its share
+of each one's intermediate dimension (gate_up_proj [experts, 2 x inter / ranks, hidden]:
+its gate rows, then its up rows; down_proj [experts, hidden, inter / ranks]); the router is
+whole on every rank, so every rank routes alike. Each rank's block output is a partial sum,
+summed across the ranks once at the block's end.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from torch import nn
 
 from hotswap.model.kernels import CpuKernels
 from hotswap.model.layers import Linear, linear, silu_and_mul, tiled_linear
+from hotswap.model.parallel import TPGroup, even_split
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class MoESpec:
     norm_topk_prob: bool  # renormalise the top-k probabilities to sum to one
     shared_expert_size: int  # 0: no shared expert (Qwen2-MoE has one, gated)
     sparse_layers: frozenset[int]  # the others are dense MLPs
+    intermediate_key: str = "intermediate_size"  # the config key intermediate_size came from
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], num_layers: int, *, mixtral: bool = False) -> MoESpec:
@@ -41,7 +49,10 @@ class MoESpec:
             # Qwen-MoE and OLMoE say num_experts
             experts = int(cfg.get("num_experts") or cfg["num_local_experts"])
             top_k = int(cfg["num_experts_per_tok"])
-            inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+            key = "moe_intermediate_size"
+            if not cfg.get(key):
+                key = "intermediate_size"  # Mixtral's and OLMoE's
+            inter = int(cfg[key])
         except KeyError as e:
             raise ValueError(f"config.json: required key {e.args[0]!r} is missing") from None
         if not 1 <= top_k <= experts:
@@ -59,6 +70,7 @@ class MoESpec:
             norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
             shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0),
             sparse_layers=sparse,
+            intermediate_key=key,
         )
 
 
@@ -118,7 +130,9 @@ class FusedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Router, routed experts and (Qwen2-MoE) a shared expert behind a sigmoid gate.
     `last_expert_ids` holds the experts of the last forward's tokens [tokens, top_k],
-    for routing replay (read by the runner after the step; never copied otherwise)."""
+    for routing replay (read by the runner after the step; never copied otherwise).
+    Under tensor parallelism `shared_expert` must leave its output unreduced (a partial sum,
+    as the routed experts'): the block sums both, then reduces once."""
 
     def __init__(
         self,
@@ -127,24 +141,30 @@ class SparseMoeBlock(nn.Module):
         dtype: torch.dtype,
         invariant: bool,
         shared_expert: nn.Module | None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TPGroup()
         self.top_k, self.normalise = spec.top_k, spec.norm_topk_prob
         self.gate = Linear(hidden, spec.num_experts, False, dtype, invariant)
-        self.experts = FusedExperts(
-            spec.num_experts, hidden, spec.intermediate_size, dtype, invariant
-        )
+        inter = even_split(spec.intermediate_size, tp.size, tp.rank, spec.intermediate_key)[1]
+        self.experts = FusedExperts(spec.num_experts, hidden, inter, dtype, invariant)
         self.shared_expert = shared_expert
         if shared_expert is not None:
             self.shared_expert_gate = Linear(hidden, 1, False, dtype, invariant)
         self.last_expert_ids: torch.Tensor | None = None
+        self.reduce = tp if tp.parallel else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.normalise)
         self.last_expert_ids = ids
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
+            # the gate (whole on every rank) scales each rank's partial sum: the sum of
+            # the scaled partials is the scaled sum
             out = out + row_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.reduce is not None:
+            out = self.reduce.all_reduce(out)  # in place: `out` is this forward's own
         return out
 
 

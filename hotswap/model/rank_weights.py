@@ -38,15 +38,13 @@ class RankWeights:
 
     def checkpoint_part(self, name: str) -> tuple[tuple[int, ...], Any] | None:
         """(checkpoint tensor `name`'s whole shape, this rank's (dim, start, size) of it or
-        None: all); None if the model ignores it; ValueError if it has no such tensor."""
-        target = self.model.checkpoint_view(name)
-        if target is None:
+        None: all); None if the model ignores it; ValueError if it has no such tensor, or
+        if this rank's share of it is no single slice (a stacked gate_up_proj of experts)."""
+        shape = self.model.checkpoint_shape(name)
+        if shape is None:
             return None
         piece = self.model.checkpoint_slice(name)
-        shape = tuple(target[1].shape)
-        if piece is None:
-            return shape, None
-        return piece.full_shape(shape), (piece.dim, piece.start, piece.size)
+        return shape, None if piece is None else (piece.dim, piece.start, piece.size)
 
     def tell_workers(self, call: tuple[str, tuple]) -> None:
         if self.transfer_channel.parallel:
@@ -83,11 +81,8 @@ class RankWeights:
         return loaded
 
     def _check_shape(self, name: str, tensor: torch.Tensor) -> None:
-        found = self.checkpoint_part(name)
-        if found is None:
-            return
-        expected = found[0]
-        if tuple(tensor.shape) != expected:
+        expected = self.model.checkpoint_shape(name)  # whole tensors: any share loads
+        if expected is not None and tuple(tensor.shape) != expected:
             raise ValueError(
                 f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                 f"model expects {expected}"
@@ -108,7 +103,8 @@ class RankWeights:
     @torch.no_grad()
     def apply_deltas(self, deltas: list[tuple[str, Any]]) -> None:
         """Sparse changes to checkpoint tensors (weight_transfer's `Delta`: flat `indices`
-        into the whole tensor, `values`): each rank writes those that fall in its slice."""
+        into the whole tensor, `values`): each rank writes those that fall in its slice.
+        A tensor whose share is no single slice was refused on receipt (WeightTargets)."""
         for name, delta in deltas:
             target = self.model.checkpoint_view(name)
             if target is None:

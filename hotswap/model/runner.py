@@ -132,9 +132,11 @@ class ModelRunner(RankWeights):
 
     def _routed_experts_buffer(self) -> RoutedExpertsBuffer | None:
         """Experts per KV slot, with --enable-return-routed-experts on a mixture of
-        experts (a dense model has none to return: its outputs carry None, as vLLM's)."""
+        experts (a dense model has none to return: its outputs carry None, as vLLM's).
+        Rank 0 alone records them: every rank routes alike (the router is whole on each,
+        and reads the same summed hidden states)."""
         moe = getattr(self.model, "moe", None)
-        if not self.config.return_routed_experts or moe is None:
+        if not self.config.return_routed_experts or moe is None or self.tp.rank != 0:
             return None
         layers, sparse = self.model.spec.num_layers, sorted(moe.sparse_layers)
         slots = self.num_blocks * self.block_size

@@ -37,6 +37,7 @@ class WeightTransferEngine(ABC):
 
     backend: ClassVar[str]
     needs_init: ClassVar[bool] = True  # False: usable without init_weight_transfer_engine
+    sends_deltas: ClassVar[bool] = False  # True: yields `Delta`s (sparse.py), not tensors
     # What init_weight_transfer_engine and update_weights carry (infos.py): the engine
     # parses with them, and so does a front end that knows the backend (make_args).
     init_info_cls: ClassVar[type[Info]] = NoInitInfo

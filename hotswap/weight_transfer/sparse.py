@@ -76,6 +76,7 @@ class SparseEngine(BroadcastEngine):
     and writes them into the loaded weights at commit."""
 
     backend: ClassVar[str] = "sparse"
+    sends_deltas: ClassVar[bool] = True
 
     update_info_cls: ClassVar[type[Info]] = SparseInfo
 

@@ -1,15 +1,28 @@
 """Where tensor-parallel ranks' slices lie: heads (split or replicated key/value heads),
-the vocabulary's padded rows, and sparse deltas' flat indices mapped into a slice, each
-checked against slicing the whole tensor."""
+the vocabulary's padded rows, sparse deltas' flat indices mapped into a slice, and experts
+(each rank: every expert's share of its intermediate dimension, from per-expert or stacked
+checkpoint tensors), each checked against slicing the whole tensor; the ranks' partial
+sums of a mixture-of-experts block add up to the whole block's output."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from hotswap.engine.weight_targets import WeightTargets
 from hotswap.errors import InvalidArgument
+from hotswap.model.models.registry import get_model_class
 from hotswap.model.models.sharding import vocab_rows
 from hotswap.model.parallel import HeadLayout, ShardSlice, TPGroup
+from hotswap.model.rank_weights import RankWeights
+from hotswap.weight_transfer.base import ParamMeta
+from hotswap.weight_transfer.m2n import checked_parts
+from tests.helpers.moe import stacked_experts
 
 
 @pytest.mark.parametrize(
@@ -72,3 +85,127 @@ def test_a_single_rank_group_is_the_identity() -> None:
     assert group.all_reduce(x) is x and group.gather_last_dim(x) is x
     assert group.broadcast_object({"a": 1}) == {"a": 1}
     assert group.gather_objects("x") == ["x"]
+
+
+# -- mixture-of-experts models ------------------------------------------------------------
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def moe_model(path: Path, tp: TPGroup, **config) -> torch.nn.Module:
+    """The model of checkpoint `path` (config.json with `config` over it), as rank
+    `tp.rank` of `tp.size` builds it (no group: collectives are never reached here)."""
+    hf_config = {**json.loads((path / "config.json").read_text()), **config}
+    cls = get_model_class(hf_config["architectures"][0])
+    return cls(hf_config, torch.float32, None, False, None, tp)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
+def moe_dir(request, tiny_model_factory) -> Path:  # noqa: ANN001
+    """Qwen3-MoE with a dense layer, Qwen2-MoE with a shared expert, Mixtral's names."""
+    return tiny_model_factory(request.param)
+
+
+def loaded(path: Path, tp: TPGroup, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    model = moe_model(path, tp)
+    assert model.load_weights(tensors.items()) == model.expected_checkpoint_keys()
+    return model
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "stacked"])
+def test_each_rank_holds_its_share_of_every_expert(moe_dir: Path, stacked: bool) -> None:
+    tensors = load_file(str(moe_dir / "model.safetensors"))
+    if stacked:  # transformers 5's names: gate_up_proj loads as its gate and up halves
+        tensors = stacked_experts(tensors)
+    whole = loaded(moe_dir, TPGroup(), tensors)
+    for rank in range(2):
+        model = loaded(moe_dir, TPGroup(rank, 2), tensors)
+        for block, full in zip(model.sparse_blocks(), whole.sparse_blocks(), strict=True):
+            inter = full.experts.down_proj.shape[2]
+            own = slice(rank * inter // 2, (rank + 1) * inter // 2)
+            gate, up = full.experts.gate_up_proj.split(inter, dim=1)
+            assert torch.equal(block.experts.gate_up_proj, torch.cat([gate[:, own], up[:, own]], 1))
+            assert torch.equal(block.experts.down_proj, full.experts.down_proj[:, :, own])
+            assert torch.equal(block.gate.weight, full.gate.weight)  # the router: whole
+
+
+def test_the_ranks_partial_sums_add_up_to_the_block(moe_dir: Path) -> None:
+    tensors = load_file(str(moe_dir / "model.safetensors"))
+    whole = loaded(moe_dir, TPGroup(), tensors).sparse_blocks()[0]
+    groups = [TPGroup(rank, 2) for rank in range(2)]
+    blocks = [loaded(moe_dir, group, tensors).sparse_blocks()[0] for group in groups]
+    x = torch.randn(7, whole.gate.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    partials = []
+    for block, group in zip(blocks, groups):
+        assert block.reduce is group  # one all-reduce for the block...
+        if block.shared_expert is not None:  # ... none inside its shared expert
+            assert block.shared_expert.down_proj.reduce is None
+        block.reduce = None  # the sum across ranks is made here
+        with torch.no_grad():
+            partials.append(block(x))
+    with torch.no_grad():
+        expected = whole(x)
+    torch.testing.assert_close(partials[0] + partials[1], expected, rtol=1e-5, atol=1e-5)
+    for block in blocks:  # every rank routes alike: the router is whole on each
+        assert torch.equal(block.last_expert_ids, whole.last_expert_ids)
+
+
+def test_a_stacked_gate_up_has_no_single_slice_and_is_refused_where_one_is_needed(
+    tiny_model_factory,  # noqa: ANN001
+) -> None:
+    """Whole-tensor rounds take it (its whole shape checked); m2n's parts and sparse
+    deltas need this rank's share as one slice of it: refused naming the tensor."""
+    model = moe_model(tiny_model_factory("qwen3_moe"), TPGroup(1, 2))  # 8 experts of 32
+    share = ShardSlice(0, 16, 16, 32)
+    assert model.checkpoint_slice(f"{EXPERTS}.3.gate_proj.weight") == share
+    assert model.checkpoint_slice(f"{EXPERTS}.3.up_proj.weight") == share
+    assert model.checkpoint_slice(f"{EXPERTS}.3.down_proj.weight") == ShardSlice(1, 16, 16, 32)
+    assert model.checkpoint_slice(f"{EXPERTS}.down_proj") == ShardSlice(2, 16, 16, 32)
+    assert model.checkpoint_slice("model.layers.0.mlp.gate.weight") is None  # the router
+    stacked = f"{EXPERTS}.gate_up_proj"
+    assert model.checkpoint_shape(stacked) == (8, 64, 64)
+    with pytest.raises(ValueError, match="per-expert") as refused:
+        model.checkpoint_slice(stacked)
+    assert stacked in str(refused.value)
+    ranks = RankWeights()
+    ranks.model = model
+    ranks._check_shape(stacked, torch.zeros(8, 64, 64))  # a whole-tensor round: the whole
+    with pytest.raises(ValueError, match="shape mismatch"):
+        ranks._check_shape(stacked, torch.zeros(8, 32, 64))
+    declared = SimpleNamespace(names=["model.norm.weight", stacked], shapes=[[64], [8, 64, 64]])
+    with pytest.raises(InvalidArgument, match="per-expert") as refused:
+        checked_parts(ranks, declared)  # m2n: each engine rank's part of each tensor
+    assert refused.value.field == "init_info.names[1]"
+    targets = WeightTargets(model)
+    meta = ParamMeta(stacked, torch.float32, (8, 64, 64))
+    assert targets.check(meta, True) is None
+    what, why = targets.check(meta, True, sparse=True)
+    assert what == "name" and "per-expert" in why
+    down = ParamMeta(f"{EXPERTS}.down_proj", torch.float32, (8, 64, 32))
+    assert targets.check(down, True, sparse=True) is None
+
+
+@pytest.mark.parametrize(
+    "arch,config,key",
+    [
+        ("qwen3_moe", {"moe_intermediate_size": 31}, "moe_intermediate_size"),
+        ("qwen2_moe", {"shared_expert_intermediate_size": 47}, "shared_expert_intermediate_size"),
+        ("mixtral", {"intermediate_size": 33}, "intermediate_size"),
+    ],
+)
+def test_an_expert_width_the_ranks_do_not_divide_is_refused(
+    tiny_model_factory,  # noqa: ANN001
+    arch: str,
+    config: dict,
+    key: str,
+) -> None:
+    with pytest.raises(InvalidArgument, match=f"does not divide the model's {key} ") as refused:
+        moe_model(tiny_model_factory(arch), TPGroup(0, 2), **config)
+    assert refused.value.field == "tensor_parallel_size"
+    moe_model(tiny_model_factory(arch), TPGroup(0, 1), **config)  # one rank takes any width
+
+
+def test_olmoe_runs_on_one_rank_only(tiny_model_factory) -> None:  # noqa: ANN001
+    """It normalises q and k over every head at once; a rank holds some heads only."""
+    with pytest.raises(InvalidArgument, match="does not run tensor-parallel") as refused:
+        moe_model(tiny_model_factory("olmoe"), TPGroup(0, 2))
+    assert refused.value.field == "tensor_parallel_size"

@@ -103,7 +103,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """This rank's intermediate columns (all of them without tensor parallelism)."""
+    """This rank's intermediate columns (all of them without tensor parallelism). `size`:
+    another width than the config's intermediate_size, read from config key `field`;
+    `reduce` False: the output stays this rank's partial sum (a mixture-of-experts block
+    sums its shared expert with its routed experts, then reduces once)."""
 
     def __init__(
         self,
@@ -112,13 +115,15 @@ class MLP(nn.Module):
         invariant: bool,
         size: int | None = None,
         tp: TPGroup | None = None,
+        field: str = "intermediate_size",
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         tp = tp or TPGroup()
-        size = local_intermediate(size or spec.intermediate_size, tp)
+        size = local_intermediate(size or spec.intermediate_size, tp, field)
         self.gate_up_proj = Linear(spec.hidden_size, 2 * size, spec.mlp_bias, dtype, invariant)
         self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, invariant)
-        self.down_proj.reduce = tp if tp.parallel else None
+        self.down_proj.reduce = tp if tp.parallel and reduce else None
         self.kernels: CpuKernels | None = None  # the fused activation when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -155,21 +155,31 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             target = self._map_name(name)
-            if target is None:
-                continue
-            param_name, shard = target
-            if param_name not in params:
-                raise ValueError(f"weights: unknown parameter {name!r} (maps to {param_name!r})")
-            dest, piece = self._rank_view(params[param_name], param_name, shard)
-            expected = tuple(dest.shape) if piece is None else piece.full_shape(dest.shape)
-            if expected != tuple(tensor.shape):
-                raise ValueError(
-                    f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                    f"model expects {expected}"
-                )
-            dest.copy_(tensor if piece is None else piece.take(tensor))
-            loaded.add(self._key(param_name, shard))
+            if target is not None:
+                loaded.add(self._load_one(params, name, target, tensor))
         return self.expand_keys(loaded)
+
+    def _load_one(
+        self,
+        params: dict[str, nn.Parameter],
+        name: str,
+        target: tuple[str, Any],
+        tensor: torch.Tensor,
+    ) -> str:
+        """Checkpoint tensor `name` (whole) into this rank's share of `target` (its
+        `_map_name`); returns its key."""
+        param_name, shard = target
+        if param_name not in params:
+            raise ValueError(f"weights: unknown parameter {name!r} (maps to {param_name!r})")
+        dest, piece = self._rank_view(params[param_name], param_name, shard)
+        expected = tuple(dest.shape) if piece is None else piece.full_shape(dest.shape)
+        if expected != tuple(tensor.shape):
+            raise ValueError(
+                f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                f"model expects {expected}"
+            )
+        dest.copy_(tensor if piece is None else piece.take(tensor))
+        return self._key(param_name, shard)
 
     def expected_checkpoint_keys(self) -> set[str]:
         """What load_weights must have seen for the model to be complete (fused params
@@ -217,6 +227,16 @@ class LlamaForCausalLM(nn.Module):
             return None
         param_name, shard = target
         return self._rank_view(self.parameter_index()[param_name], param_name, shard)[1]
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...] | None:
+        """The whole shape of checkpoint tensor `name` (this rank holds its
+        `checkpoint_slice`); None for names the model ignores. ValueError if unknown."""
+        target = self.checkpoint_view(name)
+        if target is None:
+            return None
+        piece = self.checkpoint_slice(name)
+        shape = tuple(target[1].shape)
+        return shape if piece is None else piece.full_shape(shape)
 
     def _rank_view(
         self, param: torch.Tensor, name: str, shard: Any

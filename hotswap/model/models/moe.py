@@ -5,6 +5,13 @@ Checkpoints name each expert's projections apart (`mlp.experts.3.gate_proj.weigh
 Mixtral: `block_sparse_moe.experts.3.w1.weight`); they load into the stacked parameters
 as shards `(expert, part)`, one expected key each, so a round may update some experts
 only. transformers 5's own stacked names (`mlp.experts.gate_up_proj`) load whole.
+
+Tensor parallelism splits each expert's intermediate dimension (sharding.py, model/moe.py).
+A rank's share of a stacked gate_up_proj is then two ranges (its gate rows, its up rows):
+it loads as two halves, shards `(None, part)` (every expert's gate or up rows), each one
+slice; what needs one slice of the whole tensor (m2n's parts, sparse deltas) refuses it.
+OLMoE normalises q and k over every head at once, which a rank's heads alone cannot: it
+runs on one rank only.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from torch import nn
 from hotswap.model.models.decoder import MLP
 from hotswap.model.models.llama import LlamaForCausalLM
 from hotswap.model.moe import MoESpec, SparseMoeBlock
+from hotswap.model.parallel import ShardSlice
 
 _EXPERT_TENSOR = re.compile(
     r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
@@ -35,7 +43,6 @@ _STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 class MoeForCausalLM(LlamaForCausalLM):
     mixtral = False  # Mixtral's config keys and checkpoint names
     compilable = False  # routing is data-dependent: decode steps run eagerly
-    tensor_parallel = False  # experts are not split over ranks yet
 
     def read_config(self, hf_config: dict[str, Any]) -> None:
         if self.mixtral and hf_config.get("sliding_window") is not None:
@@ -44,10 +51,17 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def make_mlp(self, layer: int, dtype: torch.dtype, invariant: bool) -> nn.Module:
         if layer not in self.moe.sparse_layers:
-            return MLP(self.spec, dtype, invariant)
+            return MLP(self.spec, dtype, invariant, tp=self.tp)
         shared = self.moe.shared_expert_size
-        shared_expert = MLP(self.spec, dtype, invariant, shared) if shared else None
-        return SparseMoeBlock(self.moe, self.spec.hidden_size, dtype, invariant, shared_expert)
+        shared_expert = None
+        if shared:
+            # split as a dense MLP, its partial sum reduced with the routed experts' (no
+            # MoE family here has MLP biases, which a partial sum would add once per rank)
+            shared_expert = MLP(self.spec, dtype, invariant, shared, self.tp,
+                                "shared_expert_intermediate_size", reduce=False)  # fmt: skip
+        return SparseMoeBlock(
+            self.moe, self.spec.hidden_size, dtype, invariant, shared_expert, self.tp
+        )
 
     def sparse_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
@@ -80,12 +94,74 @@ class MoeForCausalLM(LlamaForCausalLM):
     def _shard_view(self, param: torch.Tensor, name: str, shard: Any) -> torch.Tensor:
         if not isinstance(shard, tuple):
             return super()._shard_view(param, name, shard)
-        expert, part = shard
-        weight = param.data[expert]
+        expert, part = shard  # expert None: every expert's (a stacked tensor's half)
+        weight = param.data if expert is None else param.data[expert]
         if part is None:
             return weight
-        size = weight.shape[0] // 2
-        return weight.narrow(0, part * size, size)
+        dim = weight.dim() - 2  # the rows: gate, then up
+        size = weight.shape[dim] // 2
+        return weight.narrow(dim, part * size, size)
+
+    # -- a stacked gate_up_proj under tensor parallelism ----------------------------------
+    def _halved(self, name: str) -> str | None:
+        """The parameter checkpoint tensor `name` loads into if it is a stacked gate_up_proj
+        whole under tensor parallelism (a rank holds two ranges of it, its gate rows and its
+        up rows, written as two halves); else None."""
+        if not self.tp.parallel:
+            return None
+        target = self._map_name(name)
+        if target is None or target[1] is not None or not target[0].endswith(_STACKED[0]):
+            return None
+        return target[0] if target[0] in self.parameter_index() else None
+
+    def _load_one(
+        self,
+        params: dict[str, nn.Parameter],
+        name: str,
+        target: tuple[str, Any],
+        tensor: torch.Tensor,
+    ) -> str:
+        stacked = self._halved(name)
+        if stacked is None:
+            return super()._load_one(params, name, target, tensor)
+        expected = self.checkpoint_shape(name)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(
+                f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                f"model expects {expected}"
+            )
+        half = tensor.shape[1] // 2
+        for part in (0, 1):  # [experts, inter, hidden] each: one slice of rows per half
+            gate_or_up = tensor.narrow(1, part * half, half)
+            super()._load_one(params, name, (stacked, (None, part)), gate_or_up)
+        return self._key(stacked, None)  # the whole stacked tensor: every expert's parts
+
+    def checkpoint_view(self, name: str) -> tuple[str, torch.Tensor] | None:
+        stacked = self._halved(name)
+        if stacked is None:
+            return super().checkpoint_view(name)
+        # where the tensor's two halves are written (`checkpoint_slice` refuses it)
+        return self._key(stacked, None), self.parameter_index()[stacked].data
+
+    def checkpoint_slice(self, name: str) -> ShardSlice | None:
+        stacked = self._halved(name)
+        if stacked is None:
+            return super().checkpoint_slice(name)
+        # m2n's parts and sparse deltas need this rank's share as one slice of the tensor
+        gate, up = (self.checkpoint_name(f"{stacked}#0.{part}") for part in (0, 1))
+        raise ValueError(
+            f"weights: {name!r} stacks every expert's gate and up rows: a tensor-parallel "
+            f"rank holds two ranges of it, which no single slice gives; send each expert's "
+            f"gate and up projections as their own tensors (per-expert names: {gate!r}, "
+            f"{up!r}, ...)"
+        )
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...] | None:
+        stacked = self._halved(name)
+        if stacked is None:
+            return super().checkpoint_shape(name)
+        experts, rows, hidden = self.parameter_index()[stacked].shape
+        return experts, rows * self.tp.size, hidden
 
     def _list_expected_keys(self) -> set[str]:
         return self.expand_keys(super()._list_expected_keys())
@@ -131,3 +207,4 @@ class MixtralForCausalLM(MoeForCausalLM):
 class OlmoeForCausalLM(MoeForCausalLM):
     qk_norm = True
     qk_norm_per_head = False  # q and k normalised whole, before the heads are split
+    tensor_parallel = False  # that norm needs every head: a rank holds some only

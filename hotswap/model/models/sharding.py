@@ -2,7 +2,9 @@
 q/k/v by heads and gate/up by columns (column-parallel), o/down by their input columns
 (row-parallel: each rank's partial product is summed across ranks), the embedding and
 the LM head by vocabulary rows (padded to a multiple of the ranks; logits gathered).
-Norms and the biases of row-parallel layers are whole on every rank."""
+Norms and the biases of row-parallel layers are whole on every rank. Mixture-of-experts
+blocks keep every expert on every rank, each split as a dense MLP (its gate/up rows, its
+down_proj columns); routers are whole on every rank."""
 
 from __future__ import annotations
 
@@ -55,6 +57,8 @@ def parameter_slice(
         return ShardSlice(0, start, rows, spec.vocab_size)
     module, _, kind = param_name.rpartition(".")
     module = module.rpartition(".")[2]
+    if module == "experts":  # `kind`: the stacked parameter (gate_up_proj, down_proj)
+        return expert_slice(param_name, kind, shard, local, tp)
     if module == "qkv_proj":
         layout, head_dim = head_layout(spec, tp), spec.head_dim
         if shard == 0:
@@ -71,10 +75,32 @@ def parameter_slice(
     return None
 
 
+def expert_slice(
+    param_name: str, stacked: str, shard: object, local: torch.Tensor, tp: TPGroup
+) -> ShardSlice:
+    """This rank's slice of an expert tensor: its share of the intermediate dimension of
+    every expert (gate/up rows, down_proj columns). `shard`: (expert, part) for one expert's
+    tensor ([inter, hidden] or [hidden, inter]); (None, part) for the gate (0) or up (1) half
+    of a stacked gate_up_proj; None for a stacked tensor whole ([experts, ...])."""
+    part = shard[1] if isinstance(shard, tuple) else None
+    if stacked == "down_proj":
+        dim = local.dim() - 1  # input columns, the last dimension
+    elif part is not None:
+        dim = local.dim() - 2  # output rows of one half (gate or up)
+    else:
+        # A stacked gate_up_proj whole: the rank holds a range of its gate rows and one of
+        # its up rows, which no single slice describes (MoeForCausalLM loads it in halves).
+        raise ValueError(
+            f"weights: {param_name!r} is no single slice on a rank; send it per expert"
+        )
+    size = local.shape[dim]
+    return ShardSlice(dim, tp.rank * size, size, size * tp.size)
+
+
 def head_layout(spec: DecoderSpec, tp: TPGroup) -> HeadLayout:
     return HeadLayout.of(spec.num_heads, spec.num_kv_heads, tp.size, tp.rank)
 
 
-def local_intermediate(size: int, tp: TPGroup) -> int:
-    """An MLP's intermediate columns on this rank."""
-    return even_split(size, tp.size, tp.rank, "intermediate_size")[1]
+def local_intermediate(size: int, tp: TPGroup, field: str = "intermediate_size") -> int:
+    """An MLP's intermediate columns on this rank; `field`: the config key of `size`."""
+    return even_split(size, tp.size, tp.rank, field)[1]
