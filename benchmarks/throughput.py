@@ -8,6 +8,7 @@ batched `generate`), which decodes until the longest request is done; only the r
 tokens are counted as output.
 
     python benchmarks/throughput.py [--model DIR] [--dtype bfloat16|float32] [--num-requests 64]
+        [--device cuda]
 
 With `--baseline DIR` the peer is hotswap from another checkout instead (a regression
 check: `git worktree add /tmp/base COMMIT`, then `--baseline /tmp/base`).
@@ -37,10 +38,10 @@ def make_workload(num_requests: int, vocab_size: int, seed: int, mixed: bool) ->
     return requests
 
 
-def run_hotswap(model: str | None, dtype: str, requests: list[dict]) -> float:
+def run_hotswap(model: str | None, dtype: str, requests: list[dict], device: str) -> float:
     from hotswap import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, progress=False)
+    llm = LLM(model, dtype=dtype, progress=False, device=device)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([r["prompt"] for r in requests[:4]], warm, use_tqdm=False)
     llm.reset_prefix_cache()  # no prefix hits from the warm-up
@@ -56,20 +57,23 @@ def run_hotswap(model: str | None, dtype: str, requests: list[dict]) -> float:
     return elapsed
 
 
-def run_transformers(model_dir: str, dtype: str, requests: list[dict]) -> float:
+def run_transformers(model_dir: str, dtype: str, requests: list[dict], device: str) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch_dtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval().to(device)
     model.generation_config.eos_token_id = None  # ignore EOS, like the hotswap side
     pad = 0
 
     def generate(batch: list[dict], max_new: int) -> None:
         width = max(len(r["prompt"]) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r["prompt"])) + r["prompt"] for r in batch])
+        ids = torch.tensor(
+            [[pad] * (width - len(r["prompt"])) + r["prompt"] for r in batch], device=device
+        )
         mask = torch.tensor(
-            [[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in batch]
+            [[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in batch],
+            device=device,
         )
         with torch.inference_mode():
             model.generate(
@@ -79,15 +83,17 @@ def run_transformers(model_dir: str, dtype: str, requests: list[dict]) -> float:
     generate(requests[:4], 8)
     start = time.perf_counter()
     generate(requests, max(r["max_tokens"] for r in requests))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def worker(args: argparse.Namespace) -> None:
     requests = json.loads(sys.stdin.read())
     if args.worker == "hotswap":
-        elapsed = run_hotswap(args.model, args.dtype, requests)
+        elapsed = run_hotswap(args.model, args.dtype, requests, args.device)
     else:
-        elapsed = run_transformers(args.model_dir, args.dtype, requests)
+        elapsed = run_transformers(args.model_dir, args.dtype, requests, args.device)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"elapsed": elapsed, "peak_mib": peak_mib}))
 
@@ -109,6 +115,8 @@ def measure(engine: str, args: argparse.Namespace, model_dir: str, requests: lis
         args.dtype,
         "--model-dir",
         model_dir,
+        "--device",
+        args.device,
     ]
     if args.model:
         cmd += ["--model", args.model]
@@ -126,6 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model dir (default: built-in model)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both engines)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs per engine (best kept)")
@@ -152,7 +161,7 @@ def main() -> None:
             make_workload(args.num_requests, vocab, args.seed, mixed=True),
         ),
     ]
-    print(f"model: {model_dir}\ndtype: {args.dtype}\n")
+    print(f"model: {model_dir}\ndtype: {args.dtype}\ndevice: {args.device}\n")
     peer, peer_label = ("baseline", "base") if args.baseline else ("transformers", "HF")
     header = (
         f"{'workload':32} {'hotswap tok/s':>14} {peer_label + ' tok/s':>10} {'ratio':>7} "

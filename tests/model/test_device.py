@@ -79,3 +79,40 @@ def test_cuda_engine_generates_what_the_cpu_engine_does(tiny_llama: Path) -> Non
         llm = LLM(str(tiny_llama), dtype="float32", device=device, progress=False)
         outputs[device] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outputs["cuda"] == outputs["cpu"]
+
+
+@needs_cuda
+def test_a_cuda_mixture_of_experts_engine_matches_the_cpu_one(tiny_model_factory) -> None:  # noqa: ANN001
+    path = tiny_model_factory("qwen3_moe")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = ["The quick brown", "a b c d e f g h i j k l m n o p"]
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(path), dtype="float32", device=device, progress=False,
+                  enable_return_routed_experts=True)  # fmt: skip
+        outputs[device] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        llm.shutdown()
+    for cpu, cuda in zip(outputs["cpu"], outputs["cuda"], strict=True):
+        assert cuda.token_ids == cpu.token_ids
+        assert (cuda.routed_experts == cpu.routed_experts).all()
+        for want, got in zip(cpu.logprobs, cuda.logprobs, strict=True):
+            assert max(abs(want[t].logprob - got[t].logprob) for t in want) < 1e-4
+
+
+@needs_cuda
+def test_sleep_on_cuda_frees_the_weights_and_wakes_to_the_same_tokens(tiny_llama: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cuda", progress=False,
+              enable_sleep_mode=True)  # fmt: skip
+    before = [o.outputs[0].token_ids for o in llm.generate(["The quick brown"], params)]
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    for level in (1, 2):
+        awake = torch.cuda.memory_allocated()
+        llm.call("sleep", level=level)
+        assert awake - torch.cuda.memory_allocated() >= weights  # weights (and KV) left the GPU
+        llm.call("wake_up")
+        if level == 2:  # the weights were dropped: reloaded from disk
+            llm.call("load_weights_from_disk", model_path=str(tiny_llama))
+        after = [o.outputs[0].token_ids for o in llm.generate(["The quick brown"], params)]
+        assert after == before
+    llm.shutdown()
