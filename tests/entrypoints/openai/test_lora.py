@@ -152,7 +152,10 @@ def test_reload_in_place_unload_then_404(http, client, adapters) -> None:
     assert before == greedy(client, "alpha")  # the same adapter under another name
     assert load(http, "swap", adapters["b"], load_inplace=True).status_code == 200
     after = greedy(client, "swap")
-    assert after != before and after == greedy(client, "static")
+    assert after[0] != before[0]  # adapter b now, as "static" serves it:
+    static = greedy(client, "static")  # (float32 rounding differs with the batch shape,
+    assert after[0] == static[0]  # e.g. a prefix-cache hit: logprobs to 1e-5)
+    assert max(abs(a - b) for a, b in zip(after[1], static[1], strict=True)) < 1e-5
     response = http.post("/v1/unload_lora_adapter", json={"lora_name": "swap"})
     assert response.status_code == 200, response.text
     assert response.text == "Success: LoRA adapter 'swap' removed successfully."
