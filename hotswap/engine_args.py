@@ -252,6 +252,15 @@ class EngineArgs:
                 "weight_transfer_config.double_buffer: not supported with "
                 "tensor_parallel_size > 1 yet",
             )
+        if config is not None and config.backend == "m2n" and self.data_parallel_size > 1:
+            # the group's engine ranks are one core's model ranks: the cores of a
+            # data-parallel server would claim the same ranks
+            raise InvalidArgument(
+                "weight_transfer_config.backend",
+                "weight_transfer_config.backend: 'm2n' takes one engine core per server "
+                f"(got data_parallel_size={self.data_parallel_size}); run a server per "
+                "replica, or use a whole-tensor backend",
+            )
         return config
 
     def _executor_backend(self) -> str:
