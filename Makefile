@@ -26,12 +26,14 @@ run: venv
 generate: venv
 	$(VENV)/bin/hotswap generate "$(PROMPT)" --max-tokens 48
 
-# The whole suite (what CI runs); `make test-fast` skips the tests marked slow.
+# The whole suite (what CI runs); `make test-fast` skips the tests marked slow. Two
+# pytest-xdist workers, a whole file each at a time (a module's shared server starts once):
+# most tests wait on servers and subprocesses, so two keep both cores busy.
 test: venv
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 lint: venv
 	$(VENV)/bin/ruff check hotswap tests benchmarks examples

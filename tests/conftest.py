@@ -15,6 +15,26 @@ torch._dynamo.config.disable = True
 
 from tests.helpers.tiny_models import write_tiny_model  # noqa: E402
 
+# The longest files, started first: `make test` runs 2 pytest-xdist workers that each take a
+# whole file at a time (--dist loadfile), so a long file started last would run alone at
+# the end. Order among the rest, and within every file, is unchanged.
+LONGEST_FIRST = (
+    "tests/examples/test_grpo_async.py",
+    "tests/examples/",
+    "tests/engine/test_async_llm.py",
+    "tests/ray/",
+    "tests/model/test_compiled.py",
+    "tests/reliability/test_soak.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        found = (i for i, path in enumerate(LONGEST_FIRST) if item.nodeid.startswith(path))
+        return next(found, len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable
+
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
