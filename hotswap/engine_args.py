@@ -280,7 +280,6 @@ class EngineArgs:
             return
         refused = {
             "enable_lora": self.enable_lora,
-            "worker_extension_cls": self.worker_extension_cls is not None,
             "distributed_executor_backend": self.distributed_executor_backend == "uni",
         }
         for name, value in refused.items():

@@ -213,8 +213,9 @@ class AsyncLLM:
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Call `method` of the worker extension (`worker_extension_cls`) on every engine
-        core; one result per core. `timeout` bounds the wait here (TimeoutError), as in
-        vLLM; a method already running finishes in the engine regardless."""
+        core and every tensor-parallel rank of each; one result per rank. `timeout` bounds
+        the wait here (TimeoutError), as in vLLM; a method already running finishes in the
+        engine regardless."""
         call = self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
         return await asyncio.wait_for(call, timeout)
 

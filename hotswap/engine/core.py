@@ -214,7 +214,7 @@ class EngineCore:
     def get_stats(self) -> dict[str, int | float | str]:
         return self.stats.get_stats()
 
-    def collective_rpc(self, method: str, args: list, kwargs: dict) -> object:
+    def collective_rpc(self, method: str, args: list, kwargs: dict) -> list:
         return self.rpc.call(method, args, kwargs)
 
 

@@ -74,7 +74,8 @@ def _update_weight_version(
 
 
 def _collective_rpc(core: EngineCore, args: verbs.CollectiveRpc, out: Outputs) -> list:
-    """A list of one: the DP front-end concatenates the ranks' lists (Merge.PER_RANK).
+    """One result per tensor-parallel rank: the DP front-end concatenates the cores' lists
+    (Merge.PER_RANK).
     `reload_weights` is vLLM's built-in worker method (reload the served checkpoint, e.g.
     after a level-2 sleep) unless the extension defines its own: here a disk reload of
     the model directory, committed as a new version."""
@@ -83,8 +84,8 @@ def _collective_rpc(core: EngineCore, args: verbs.CollectiveRpc, out: Outputs) -
         extension is None or "reload_weights" not in extension.methods
     ):
         out.extend(core.load_weights_from_disk(str(core.config.model.path)))
-        return [None]
-    return [core.collective_rpc(args.method, args.args, args.kwargs)]
+        return [None] * core.config.tensor_parallel_size
+    return core.collective_rpc(args.method, args.args, args.kwargs)
 
 
 def _get_world_size(core: EngineCore, args: verbs.GetWorldSize, out: Outputs) -> int:

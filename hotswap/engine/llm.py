@@ -119,7 +119,8 @@ class LLM:
     def collective_rpc(
         self, method: str, args: tuple | list = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        """Call `method` of the worker extension (`worker_extension_cls`); one result."""
+        """Call `method` of the worker extension (`worker_extension_cls`): one result per
+        tensor-parallel rank."""
         return self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
 
     def shutdown(self) -> None:

@@ -21,6 +21,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from hotswap.engine.rpc import RPC_CALL, make_extension, run_everywhere
 from hotswap.model.parallel import GROUP_TIMEOUT, TensorParallelError, TPGroup
 from hotswap.model.runner import ModelRunner
 from hotswap.model.tp_workers import STOP, connect_channels
@@ -37,12 +38,15 @@ def serve(host: str, port: int, rank: int, size: int) -> int:
     torch.set_num_threads(int(store.get("threads")))
     store.set(f"joining{rank}", b"1")
     groups = connect_channels(store, rank, size, config.device)
+    runner, extension, error = None, None, None
     try:
-        runner, error = ModelRunner(config, progress=False, groups=groups), None
+        runner = ModelRunner(config, progress=False, groups=groups)
+        if config.worker_extension_cls is not None:  # this rank's own, over its share
+            extension = make_extension(config, runner)
     except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises it
-        runner, error = None, f"{type(e).__name__}: {e}"
+        error = f"{type(e).__name__}: {e}"
     groups[0].gather_objects(error)
-    if runner is None:
+    if runner is None or error is not None:
         return 1
     threading.Thread(target=_transfers, args=(runner, groups[1]), daemon=True,
                      name="hotswap-tp-transfers").start()  # fmt: skip
@@ -50,7 +54,10 @@ def serve(host: str, port: int, rank: int, size: int) -> int:
         name, args = groups[0].broadcast_object()
         if name == STOP:
             return 0
-        getattr(runner, name)(*args)
+        if name == RPC_CALL:  # answered with every rank's result (rank 0 raises errors)
+            run_everywhere(groups[0], lambda: extension.call(*args))  # noqa: B023
+        else:
+            getattr(runner, name)(*args)
 
 
 def _transfers(runner: ModelRunner, channel: TPGroup) -> None:

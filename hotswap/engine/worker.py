@@ -3,7 +3,9 @@ whose public methods `collective_rpc` calls inside the engine core, for framewor
 run their own weight-loading code in the engine (verl, OpenRLHF, PipelineRL, TRL).
 
 The methods see `self` as vLLM's workers do: `self.model_runner.model` (with
-`load_weights(weights)` taking (name, tensor) pairs), `self.device`, `self.rank`. They
+`load_weights(weights)` taking (name, tensor) pairs), `self.device`, `self.rank`. Under
+tensor parallelism every rank has its own (its `model_runner` holds its share of the
+model, whose `load_weights` takes whole checkpoint tensors and keeps its slices). They
 run on the engine-core loop between two steps, so no step sees a half-loaded model; a
 method that waits for a trainer blocks the loop meanwhile, as in vLLM. Weights loaded this
 way are not a commit: follow with `update_weight_version` to give them a version.
@@ -60,12 +62,15 @@ class WorkerExtension:
             if not name.startswith("_") and callable(value)
         }
 
-    def call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    def check(self, method: str) -> None:
         if method not in self.methods:
             raise InvalidArgument(
                 "method", f"method: {method!r} is not a method of the worker extension "
                 f"(declared: {', '.join(sorted(self.methods)) or 'none'})",
             )  # fmt: skip
+
+    def call(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        self.check(method)
         return _serialisable(getattr(self.worker, method)(*args, **kwargs))
 
 

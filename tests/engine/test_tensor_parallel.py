@@ -1,8 +1,8 @@
 """Tensor parallelism (`tensor_parallel_size=2`) against one rank, in float32: greedy tokens
 equal and logprobs within 1e-5, with key/value heads split (Llama) and replicated (Qwen3
 with one key/value head); chunked prefill, prefix-cache hits, prompt logprobs, pause keep
-and abort, sleep and wake; a rank that dies stops the engine; what does not run
-tensor-parallel yet is refused naming its flag."""
+and abort, sleep and wake; a worker extension on every rank over its share; a rank that
+dies stops the engine; what does not run tensor-parallel yet is refused naming its flag."""
 
 from __future__ import annotations
 
@@ -162,7 +162,6 @@ def test_a_model_that_cannot_split_is_refused_and_leaves_no_worker(tiny_model_fa
     "kwargs,field",
     [
         ({"enable_lora": True}, "enable_lora"),
-        ({"worker_extension_cls": "a.B"}, "worker_extension_cls"),
         ({"weight_transfer_config": {"backend": "ipc", "double_buffer": True}},
          "weight_transfer_config.double_buffer"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
@@ -177,3 +176,30 @@ def test_what_does_not_run_tensor_parallel_yet_is_refused(tiny_llama, kwargs, fi
     with pytest.raises(InvalidArgument) as refused:
         EngineArgs(model=str(tiny_llama), **kwargs).create_engine_config()
     assert refused.value.field == field
+
+
+@pytest.mark.slow
+def test_a_worker_extension_runs_on_every_rank_over_its_share(tiny_model_factory) -> None:
+    first, second = tiny_model_factory("llama"), tiny_model_factory("llama", seed=1)
+    probe = {"worker_extension_cls": "tests.engine.tp_probe:ShardProbe"}
+    single, llm = make(first, 1, **probe), make(first, 2, **probe)
+    try:
+        before = [out.outputs[0].token_ids for out in run(llm)]
+        whole = single.collective_rpc("share")[0]["qkv_rows"]
+        shares = llm.collective_rpc("share")  # one answer per rank, each over its share
+        assert [share["rank"] for share in shares] == [0, 1]
+        assert [share["qkv_rows"] for share in shares] == [whole // 2, whole // 2]
+        with pytest.raises(InvalidArgument, match="not a method"):
+            llm.collective_rpc("nope")
+        with pytest.raises(RuntimeError, match="rank 1 failed: ValueError: refused on rank 1"):
+            llm.collective_rpc("fail_on", args=(1,))
+        # each rank loads whole tensors with its own code and keeps its slices
+        loaded = llm.collective_rpc("load_checkpoint", args=(str(second),))
+        assert loaded[0] == loaded[1] == single.collective_rpc("load_checkpoint",
+                                                               args=(str(second),))[0]  # fmt: skip
+        after = run(llm)
+        assert_same(run(single), after)
+        assert [out.outputs[0].token_ids for out in after] != before
+    finally:
+        single.shutdown()
+        llm.shutdown()
