@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # The suite runs its engines eagerly: compiling decode steps costs seconds per engine (a
@@ -34,6 +37,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return next(found, len(LONGEST_FIRST))
 
     items.sort(key=rank)  # stable
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+
+
+MALLOC_TRIM = _malloc_trim()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def freed_memory_returned() -> Iterator[None]:
+    """After each module, what its engines freed goes back to the OS: glibc keeps a freed
+    heap (an engine on the default model, shut down and collected, left 2.28 GB resident
+    where 0.49 GB remained after a trim), and `make test`'s two workers would otherwise
+    each carry ~5 GB beside the servers and Ray actors of the tests they run."""
+    yield
+    gc.collect()
+    if MALLOC_TRIM is not None:
+        MALLOC_TRIM(0)
 
 
 @pytest.fixture(scope="session")
