@@ -188,3 +188,13 @@ class TPGroup:
             pickle.loads(gathered[r * longest : r * longest + int(n)].numpy().tobytes())
             for r, n in enumerate(lengths.tolist())
         ]
+
+
+def check_whole_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """ValueError unless checkpoint tensor `name` has its whole `expected` shape (of which
+    a tensor-parallel rank keeps its slice)."""
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(
+            f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+            f"model expects {tuple(expected)}"
+        )

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hotswap.model.parallel import TPGroup
+from hotswap.model.parallel import TPGroup, check_whole_shape
 from hotswap.model.residency import WeightResidency
 from hotswap.model.tp_workers import on_every_rank
 
@@ -82,11 +82,8 @@ class RankWeights:
 
     def _check_shape(self, name: str, tensor: torch.Tensor) -> None:
         expected = self.model.checkpoint_shape(name)  # whole tensors: any share loads
-        if expected is not None and tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                f"model expects {expected}"
-            )
+        if expected is not None:
+            check_whole_shape(name, tensor, expected)
 
     @torch.no_grad()
     def receive_weights(self, metas: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:

@@ -25,7 +25,7 @@ from hotswap.model.models.sharding import (
 )
 from hotswap.model.models.spec import DecoderSpec
 from hotswap.model.packed import PackedWeight, packed_copy
-from hotswap.model.parallel import ShardSlice, TPGroup
+from hotswap.model.parallel import ShardSlice, TPGroup, check_whole_shape
 
 # checkpoint projection name -> (fused parameter name, shard index)
 _FUSED_SHARDS = {
@@ -172,12 +172,9 @@ class LlamaForCausalLM(nn.Module):
         if param_name not in params:
             raise ValueError(f"weights: unknown parameter {name!r} (maps to {param_name!r})")
         dest, piece = self._rank_view(params[param_name], param_name, shard)
-        expected = tuple(dest.shape) if piece is None else piece.full_shape(dest.shape)
-        if expected != tuple(tensor.shape):
-            raise ValueError(
-                f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                f"model expects {expected}"
-            )
+        check_whole_shape(
+            name, tensor, dest.shape if piece is None else piece.full_shape(dest.shape)
+        )
         dest.copy_(tensor if piece is None else piece.take(tensor))
         return self._key(param_name, shard)
 

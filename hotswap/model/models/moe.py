@@ -25,7 +25,7 @@ from torch import nn
 from hotswap.model.models.decoder import MLP
 from hotswap.model.models.llama import LlamaForCausalLM
 from hotswap.model.moe import MoESpec, SparseMoeBlock
-from hotswap.model.parallel import ShardSlice
+from hotswap.model.parallel import ShardSlice, check_whole_shape
 
 _EXPERT_TENSOR = re.compile(
     r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
@@ -124,12 +124,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         stacked = self._halved(name)
         if stacked is None:
             return super()._load_one(params, name, target, tensor)
-        expected = self.checkpoint_shape(name)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"weights: shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
-                f"model expects {expected}"
-            )
+        check_whole_shape(name, tensor, self.checkpoint_shape(name))
         half = tensor.shape[1] // 2
         for part in (0, 1):  # [experts, inter, hidden] each: one slice of rows per half
             gate_or_up = tensor.narrow(1, part * half, half)
