@@ -50,6 +50,11 @@ class Flag:
 FLAG_KEY = "flag"  # the field metadata key holding its Flag; a field without one has no flag
 
 
+# vLLM's --distributed-executor-backend values hotswap runs (its "external_launcher", where
+# the user starts every rank, is not one): mp and ray start ranks 1..; uni runs one rank.
+EXECUTOR_BACKENDS = ("mp", "ray", "uni")
+
+
 def arg(default: Any, help: str, **flag: Any) -> Any:
     """A field that is also a CLI flag (see `Flag` for the keyword arguments)."""
     return field(default=default, metadata={FLAG_KEY: Flag(help, **flag)})
@@ -87,7 +92,7 @@ class EngineArgs:
         "where ranks 1.. of --tensor-parallel-size run (vLLM's flag): mp, worker processes; "
         "ray, Ray actors in the engine core's placement group; uni, no workers (one rank). "
         "Default: ray with --data-parallel-backend ray, else mp",
-        choices=("mp", "ray", "uni"),
+        choices=EXECUTOR_BACKENDS,
     )
     data_parallel_backend: str = arg(
         "mp",
@@ -268,7 +273,7 @@ class EngineArgs:
         backend = self.distributed_executor_backend
         if backend is None:
             backend = "ray" if self.data_parallel_backend == "ray" else "mp"
-        backend = check_choice("distributed_executor_backend", backend, ("mp", "ray", "uni"))
+        backend = check_choice("distributed_executor_backend", backend, EXECUTOR_BACKENDS)
         if backend == "ray" and self.tensor_parallel_size > 1:
             check_ray_installed("distributed_executor_backend")
         return "mp" if backend == "uni" else backend
