@@ -78,6 +78,7 @@ class DPEngineClient(EngineCoreClient):
         self.answers: dict[int, list[UtilityResult | None]] = {}
         self.methods: dict[int, str] = {}
         self.on_outputs: OutputHandler | None = None
+        self.dead = False  # a rank died: the front end has failed everything already
 
     def start(self, on_outputs: OutputHandler) -> None:
         self.on_outputs = on_outputs
@@ -119,6 +120,8 @@ class DPEngineClient(EngineCoreClient):
             self._rank_died(index, batch.engine_error)
             return
         with self.lock:  # held while handing over, so batches keep their order
+            if self.dead:  # e.g. the survivors' aborts: their streams failed already
+                return
             for output in batch.outputs:
                 if output.finish_reason is not None:
                     self.active[index].discard(output.request_id)
@@ -137,16 +140,22 @@ class DPEngineClient(EngineCoreClient):
                 self.on_outputs(EngineCoreOutputs(batch.outputs, merged))
 
     def _rank_died(self, index: int, error: str) -> None:
-        """The front-end fails every stream and call; stop the other ranks' work too."""
+        """The front-end fails every stream and call; stop the other ranks' work too.
+        The death is handed over before the survivors are told to abort, and nothing a
+        rank sends after it is: otherwise a survivor's request could end as a plain
+        "abort" instead of failing with the dead rank's error."""
+        assert self.on_outputs is not None
         with self.lock:
+            if self.dead:  # the first rank's death is the one reported
+                return
+            self.dead = True
             survivors = [(i, list(ids)) for i, ids in enumerate(self.active) if i != index]
             self.active = [set() for _ in self.ranks]
             self.owner.clear()
             self.answers.clear()
+            self.on_outputs(EngineCoreOutputs(engine_error=f"rank {index}: {error}"))
         for i, ids in survivors:
             self.ranks[i].abort_requests(ids)
-        assert self.on_outputs is not None
-        self.on_outputs(EngineCoreOutputs(engine_error=f"rank {index}: {error}"))
 
 
 def _args_for(args: verbs.Args, rank: int) -> verbs.Args:

@@ -9,6 +9,15 @@ import asyncio
 import pytest
 
 from hotswap import LLM, AsyncLLM, SamplingParams
+from hotswap.engine.core_client import EngineCoreClient, OutputHandler
+from hotswap.engine.dp_client import DPEngineClient, RankLauncher
+from hotswap.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    UtilityCall,
+)
+from hotswap.engine_args import EngineArgs
 from hotswap.weight_transfer import (
     GlooTrainerInitInfo,
     InProcessWeightSyncClient,
@@ -104,3 +113,45 @@ def test_data_parallel_needs_processes(tiny_llama) -> None:
         LLM(str(tiny_llama), data_parallel_size=2, progress=False)
     with pytest.raises(ValueError, match="data_parallel_size"):
         AsyncLLM(str(tiny_llama), multiprocess=True, data_parallel_size=0, progress=False)
+
+
+class _FakeRank(EngineCoreClient):
+    """A rank whose abort answers at once, on the caller's thread: the fastest a real
+    rank's receiver thread could deliver it."""
+
+    def start(self, on_outputs: OutputHandler) -> None:
+        self.on_outputs = on_outputs
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        pass
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        aborted = [EngineCoreOutput(i, [], finish_reason="abort") for i in request_ids]
+        self.on_outputs(EngineCoreOutputs(aborted))
+
+    def call_utility(self, call: UtilityCall) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _FakeLauncher(RankLauncher):
+    def start_rank(self, engine_args: EngineArgs, rank: int) -> EngineCoreClient:
+        return _FakeRank()
+
+
+def test_a_dead_rank_fails_the_survivors_requests_not_aborts_them() -> None:
+    """Rank 1 dies while rank 0 holds a request: the front end gets the death first, and
+    never a plain "abort" for rank 0's request (which would answer it 200, not 503)."""
+    client = DPEngineClient(EngineArgs(model="unused", data_parallel_size=2), _FakeLauncher())
+    delivered: list[EngineCoreOutputs] = []
+    client.start(delivered.append)
+    for i in range(2):  # least loaded first: one on each rank
+        client.add_request(EngineCoreRequest(f"r{i}", [1, 2], SamplingParams()))
+    assert client.owner == {"r0": 0, "r1": 1}
+    client.ranks[1].on_outputs(EngineCoreOutputs(engine_error="process exited"))
+    assert [batch.engine_error for batch in delivered] == ["rank 1: process exited"]
+    assert not any(client.active) and not client.owner
+    client.ranks[1].on_outputs(EngineCoreOutputs(engine_error="and again"))
+    assert len(delivered) == 1  # the first death is the one reported
