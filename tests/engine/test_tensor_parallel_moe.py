@@ -1,12 +1,12 @@
 """Mixture-of-experts models under tensor parallelism (two ranks) against one rank, in
-float32: Qwen3-MoE (a dense layer among sparse ones), Qwen2-MoE (a gated shared expert) and
-Mixtral generate the same greedy tokens, logprobs within 1e-5 and the same routed experts,
-through a chunked prefill. Weight rounds of per-expert tensors, of transformers 5's stacked
-ones, and a disk reload give each rank its fresh-load share (digest) and the tokens one
-rank generates on those weights. Sparse deltas patch expert tensors where one slice of
-them holds this rank's share, and a stacked gate_up_proj (two ranges) is refused naming
-it, changing nothing. An expert width the ranks do not divide is refused, leaving no
-worker (OLMoE: tests/engine/test_tensor_parallel.py)."""
+float32: Qwen3-MoE (a dense layer among sparse ones), Qwen2-MoE (a gated shared expert),
+Mixtral and OLMoE (q and k normalised whole) generate the same greedy tokens, logprobs
+within 1e-5 and the same routed experts, through a chunked prefill. Weight rounds of
+per-expert tensors, of transformers 5's stacked ones, and a disk reload give each rank
+its fresh-load share (digest) and the tokens one rank generates on those weights. Sparse
+deltas patch expert tensors where one slice of them holds this rank's share, and a
+stacked gate_up_proj (two ranges) is refused naming it, changing nothing. An expert
+width the ranks do not divide is refused, leaving no worker."""
 
 from __future__ import annotations
 
@@ -44,9 +44,20 @@ def digest(llm: LLM) -> str:
     return llm.get_weight_info()["digest"]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_two_ranks_generate_and_route_what_one_does(tiny_model_factory, arch: str) -> None:  # noqa: ANN001
-    path = tiny_model_factory(arch)
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [("qwen3_moe", {}), ("qwen2_moe", {}), ("mixtral", {}), ("olmoe", {}),
+     ("olmoe", {"num_key_value_heads": 1})],
+    ids=["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "olmoe-kv1"],
+)  # fmt: skip
+def test_two_ranks_generate_and_route_what_one_does(
+    tiny_model_factory,
+    arch: str,
+    overrides: dict,  # noqa: ANN001
+) -> None:
+    """OLMoE normalises q and k whole: the sums of squares meet across the ranks (its one
+    key/value head replicated on both counted once)."""
+    path = tiny_model_factory(arch, **overrides)
     single = run(make(path, 1, enable_return_routed_experts=True))
     llm = make(path, 2, enable_return_routed_experts=True)  # rank 0 records the routing
     try:

@@ -204,8 +204,18 @@ def test_an_expert_width_the_ranks_do_not_divide_is_refused(
     moe_model(tiny_model_factory(arch), TPGroup(0, 1), **config)  # one rank takes any width
 
 
-def test_olmoe_runs_on_one_rank_only(tiny_model_factory) -> None:  # noqa: ANN001
-    """It normalises q and k over every head at once; a rank holds some heads only."""
-    with pytest.raises(InvalidArgument, match="does not run tensor-parallel") as refused:
-        moe_model(tiny_model_factory("olmoe"), TPGroup(0, 2))
-    assert refused.value.field == "tensor_parallel_size"
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
+def test_olmoe_norm_weights_follow_each_ranks_heads(tiny_model_factory, kv_heads: int) -> None:  # noqa: ANN001
+    """OLMoE normalises q and k whole: each rank holds its heads' part of the norms' weights
+    (a replicated key/value head's on every rank that holds it)."""
+    path = tiny_model_factory("olmoe", num_key_value_heads=kv_heads)
+    tensors = load_file(str(path / "model.safetensors"))
+    whole = loaded(path, TPGroup(), tensors).model.layers[0].self_attn
+    head_dim = whole.head_dim
+    for rank in range(2):
+        attention = loaded(path, TPGroup(rank, 2), tensors).model.layers[0].self_attn
+        q_rows = slice(rank * 2 * head_dim, (rank + 1) * 2 * head_dim)  # 4 heads: 2 each
+        kv_head = rank if kv_heads == 2 else 0
+        k_rows = slice(kv_head * head_dim, (kv_head + 1) * head_dim)
+        assert torch.equal(attention.q_norm.weight, whole.q_norm.weight[q_rows])
+        assert torch.equal(attention.k_norm.weight, whole.k_norm.weight[k_rows])

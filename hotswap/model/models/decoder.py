@@ -59,6 +59,17 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(k_norm, spec.rms_norm_eps, dtype)
         self.qk_norm = spec.qk_norm and spec.qk_norm_per_head
         self.qk_norm_whole = spec.qk_norm and not spec.qk_norm_per_head
+        # A whole q (k) spans every rank's heads: its sum of squares is summed across the
+        # ranks, in which a key/value head replicated on r ranks counts r times; so the
+        # means divide by q's size, and by k's times r (`_whole_norms`).
+        self.tp = tp
+        replicas = tp.size * layout.kv_heads // spec.num_kv_heads
+        self.norm_sizes = torch.tensor(
+            [
+                float(spec.num_heads * spec.head_dim),
+                float(spec.num_kv_heads * spec.head_dim * replicas),
+            ]
+        )
         self.clip_qkv = spec.clip_qkv
         self.backend = backend
         self.scale = spec.head_dim**-0.5
@@ -94,12 +105,26 @@ class Attention(nn.Module):
         """OLMoE: q and k each normalised as one vector (before the heads are split), then
         q, k and v clamped to +-clip_qkv, in transformers' order."""
         q, k, v = qkv.split(self.split_sizes, dim=-1)
-        if self.qk_norm_whole:
+        if self.qk_norm_whole and self.tp.parallel:
+            q, k = self._whole_norms(q, k)
+        elif self.qk_norm_whole:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         qkv = torch.cat([q, k, v], dim=-1)
         if self.clip_qkv is not None:
             qkv.clamp_(-self.clip_qkv, self.clip_qkv)
         return qkv
+
+    def _whole_norms(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of the whole q and k from this rank's part of each (as RMSNorm: in
+        float32, scaled in the weight's dtype): one all-reduce of both sums of squares."""
+        q32, k32 = q.float(), k.float()
+        sums = torch.cat([q32.pow(2).sum(-1, keepdim=True), k32.pow(2).sum(-1, keepdim=True)],
+                         dim=-1)  # fmt: skip
+        means = self.tp.all_reduce(sums) / self.norm_sizes.to(sums.device)
+        scales = torch.rsqrt(means + self.q_norm.eps)
+        q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
+        q = q_weight * (q32 * scales[:, :1]).to(q_weight.dtype)
+        return q, k_weight * (k32 * scales[:, 1:]).to(k_weight.dtype)
 
 
 class MLP(nn.Module):

@@ -10,8 +10,9 @@ Tensor parallelism splits each expert's intermediate dimension (sharding.py, mod
 A rank's share of a stacked gate_up_proj is then two ranges (its gate rows, its up rows):
 it loads as two halves, shards `(None, part)` (every expert's gate or up rows), each one
 slice; what needs one slice of the whole tensor (m2n's parts, sparse deltas) refuses it.
-OLMoE normalises q and k over every head at once, which a rank's heads alone cannot: it
-runs on one rank only.
+OLMoE normalises q and k over every head at once: under tensor parallelism each rank's
+norm weights are its heads' part, and the sums of squares are summed across the ranks
+(decoder.py `Attention._whole_norms`).
 """
 
 from __future__ import annotations
@@ -202,4 +203,3 @@ class MixtralForCausalLM(MoeForCausalLM):
 class OlmoeForCausalLM(MoeForCausalLM):
     qk_norm = True
     qk_norm_per_head = False  # q and k normalised whole, before the heads are split
-    tensor_parallel = False  # that norm needs every head: a rank holds some only

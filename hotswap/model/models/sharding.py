@@ -60,12 +60,9 @@ def parameter_slice(
     if module == "experts":  # `kind`: the stacked parameter (gate_up_proj, down_proj)
         return expert_slice(param_name, kind, shard, local, tp)
     if module == "qkv_proj":
-        layout, head_dim = head_layout(spec, tp), spec.head_dim
-        if shard == 0:
-            return ShardSlice(0, layout.head_start * head_dim, layout.heads * head_dim,
-                              spec.num_heads * head_dim)  # fmt: skip
-        return ShardSlice(0, layout.kv_head_start * head_dim, layout.kv_heads * head_dim,
-                          spec.num_kv_heads * head_dim)  # fmt: skip
+        return head_rows(spec, tp, kv=shard != 0)
+    if module in ("q_norm", "k_norm") and not spec.qk_norm_per_head:  # OLMoE: whole q, k
+        return head_rows(spec, tp, kv=module == "k_norm")
     if module == "gate_up_proj":  # `local`: this rank's gate (or up) rows
         size = local.shape[0]
         return ShardSlice(0, tp.rank * size, size, size * tp.size)
@@ -99,6 +96,16 @@ def expert_slice(
 
 def head_layout(spec: DecoderSpec, tp: TPGroup) -> HeadLayout:
     return HeadLayout.of(spec.num_heads, spec.num_kv_heads, tp.size, tp.rank)
+
+
+def head_rows(spec: DecoderSpec, tp: TPGroup, kv: bool) -> ShardSlice:
+    """This rank's rows of a tensor laid out by query heads (`kv`: key/value heads)."""
+    layout, head_dim = head_layout(spec, tp), spec.head_dim
+    if kv:
+        return ShardSlice(0, layout.kv_head_start * head_dim, layout.kv_heads * head_dim,
+                          spec.num_kv_heads * head_dim)  # fmt: skip
+    return ShardSlice(0, layout.head_start * head_dim, layout.heads * head_dim,
+                      spec.num_heads * head_dim)  # fmt: skip
 
 
 def local_intermediate(size: int, tp: TPGroup, field: str = "intermediate_size") -> int:
