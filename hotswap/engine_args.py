@@ -283,17 +283,13 @@ class EngineArgs:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size == 1:
             return
-        refused = {
-            "enable_lora": self.enable_lora,
-            "distributed_executor_backend": self.distributed_executor_backend == "uni",
-        }
-        for name, value in refused.items():
-            if value:
-                raise InvalidArgument(
-                    name,
-                    f"{name}: not supported with tensor_parallel_size > 1 yet "
-                    f"(got tensor_parallel_size={self.tensor_parallel_size})",
-                )
+        if self.distributed_executor_backend == "uni":
+            name = "distributed_executor_backend"
+            raise InvalidArgument(
+                name,
+                f"{name}: 'uni' runs one rank (got tensor_parallel_size="
+                f"{self.tensor_parallel_size}); use mp or ray",
+            )
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

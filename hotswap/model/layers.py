@@ -102,10 +102,12 @@ class Linear(nn.Module):
             out = tiled_linear(x, self.weight, bias)
         else:
             out = linear(x, self.weight, bias, self.matvec, self.packed)
+        if self.lora is not None:  # before the sum: a row-parallel rank's is partial too
+            out = self.lora.add_to(x, out)
         if self.reduce is not None:
             out = self.reduce.all_reduce(out)
             return out if self.bias is None else out + self.bias
-        return out if self.lora is None else self.lora.add_to(x, out)
+        return out
 
 
 class RMSNorm(nn.Module):

@@ -26,6 +26,7 @@ from torch import nn
 
 from hotswap.model.layers import Linear, tiled_linear
 from hotswap.model.lora_adapter import AdapterWeights
+from hotswap.model.parallel import ShardSlice
 
 
 @dataclass(frozen=True)
@@ -167,30 +168,33 @@ class LinearLoRA:
 
 
 class SlotTable:
-    """Which loaded adapter version (by uid) sits in which slot; writes an adapter into a
-    slot when a step needs it there."""
+    """Which loaded adapter version (by uid) sits in which slot: decided on rank 0, the
+    writes it implies made on every rank (`ModelLoRA.apply`)."""
 
     def __init__(self, layers: dict[str, LinearLoRA], max_loras: int) -> None:
         self.layers = layers
         self.max_loras = max_loras
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # uid -> slot, LRU first
 
-    def assign(self, adapters: Sequence[AdapterWeights]) -> dict[int, int]:
+    def assign(
+        self, adapters: Sequence[AdapterWeights]
+    ) -> tuple[dict[int, int], list[tuple[int, AdapterWeights]]]:
         """Slots for the step's distinct adapters (at most `max_loras`: the scheduler's
-        bound); adapters the step does not use give theirs up, least recently used first."""
+        bound), and the adapters to write into their slot first; adapters the step does
+        not use give theirs up, least recently used first."""
         if len(adapters) > self.max_loras:
             raise RuntimeError(f"lora: {len(adapters)} adapters in one step, "
                                f"max_loras is {self.max_loras}")  # fmt: skip
         wanted = {adapter.uid for adapter in adapters}
+        writes = []
         for adapter in adapters:
             if adapter.uid in self.slot_of:
                 self.slot_of.move_to_end(adapter.uid)
                 continue
             slot = self._free_slot(wanted)
-            for name, layer in self.layers.items():
-                layer.write_slot(slot, adapter.layers.get(name, {}))
+            writes.append((slot, adapter))
             self.slot_of[adapter.uid] = slot
-        return {adapter.uid: self.slot_of[adapter.uid] for adapter in adapters}
+        return {adapter.uid: self.slot_of[adapter.uid] for adapter in adapters}, writes
 
     def _free_slot(self, keep: set[int]) -> int:
         used = set(self.slot_of.values())
@@ -204,7 +208,8 @@ class SlotTable:
         raise RuntimeError("lora: no slot is free")  # assign's bound makes this unreachable
 
     def forget(self, uid: int) -> None:
-        """An adapter version was unloaded: its slot is free (and zeroed)."""
+        """An adapter version was unloaded: its slot is free (and zeroed; on rank 0 only,
+        which is enough: a slot is written whole before it is used again)."""
         slot = self.slot_of.pop(uid, None)
         if slot is not None:
             for layer in self.layers.values():
@@ -229,6 +234,32 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int,
 LORA_LAYERS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
+# An adapter's matrices for one linear layer: {shard: (A [r, in], B [out, r])}, whole.
+LayerMatrices = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LoRAPlan:
+    """A step's adapters, decided on rank 0 and applied alike on every tensor-parallel
+    rank: the slot writes the step needs first (slot, the adapter's matrices by layer,
+    whole: each rank keeps its part), then the step's segments."""
+
+    writes: list[tuple[int, dict[str, LayerMatrices]]]
+    segments: list[Segment]
+
+
+def rank_part(
+    a: torch.Tensor, b: torch.Tensor, piece: ShardSlice | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of one adapted weight's A `[r, in]` and B `[out, r]`, as vLLM
+    splits LoRA: a column-parallel weight (its outputs split, dim 0) keeps A whole and
+    its rows of B; a row-parallel one (its inputs split, dim 1) its columns of A and B
+    whole, so the ranks' partial products sum to the adapter's in the layer's all-reduce."""
+    if piece is None:
+        return a, b
+    return (a, piece.take(b)) if piece.dim == 0 else (piece.take(a), b)
+
+
 class ModelLoRA:
     """A model's adapter slots and the per-step batching of its rows by adapter."""
 
@@ -240,17 +271,18 @@ class ModelLoRA:
         self.max_loras, self.max_rank, self.invariant = max_loras, max_rank, invariant
         weight = next(iter(self.layers.values())).a
         self.dtype, self.device = weight.dtype, weight.device
+        # per layer, per shard: this rank's slice of the weight (None: whole)
+        self.pieces = {name: _pieces(model, name, len(layer.shard_sizes))
+                       for name, layer in self.layers.items()}  # fmt: skip
 
-    @contextlib.contextmanager
-    def step(self, chunks: Sequence[tuple[AdapterWeights | None, int]]) -> Iterator[bool]:
-        """Inside, the layers add each row's adapter: `chunks` are the step's chunks in row
-        order, (adapter or None, rows), each adapter's chunks next to each other (the
-        runner orders them so). Yields whether any row uses an adapter."""
+    def plan(self, chunks: Sequence[tuple[AdapterWeights | None, int]]) -> LoRAPlan | None:
+        """`chunks`: the step's chunks in row order, (adapter or None, rows), each
+        adapter's chunks next to each other (the runner orders them so). None: no row
+        uses an adapter."""
         adapters = list({a.uid: a for a, _ in chunks if a is not None}.values())
         if not adapters:
-            yield False
-            return
-        slot_of = self.slots.assign(adapters)
+            return None
+        slot_of, writes = self.slots.assign(adapters)
         segments: list[Segment] = []
         row = 0
         for adapter, rows in chunks:
@@ -263,11 +295,34 @@ class ModelLoRA:
                     rank = self.max_rank if self.invariant else adapter.rank
                     segments.append(Segment(slot, row, row + rows, rank))
             row += rows
+        return LoRAPlan([(slot, adapter.layers) for slot, adapter in writes], segments)
+
+    @contextlib.contextmanager
+    def apply(self, plan: LoRAPlan | None) -> Iterator[None]:
+        """Inside, the layers add each row's adapter (`plan` None: nothing is added)."""
+        if plan is None:
+            yield
+            return
+        for slot, matrices in plan.writes:
+            for name, layer in self.layers.items():
+                pieces = self.pieces[name]
+                parts = {shard: rank_part(a, b, pieces[shard])
+                         for shard, (a, b) in matrices.get(name, {}).items()}  # fmt: skip
+                layer.write_slot(slot, parts)
         grouped = None
-        if len(segments) > 1 and not self.invariant:  # batch-invariant: per segment, tiled
-            grouped = Grouped.of(segments, self.dtype, self.device)
-        self.context.batch = LoRABatch(segments, self.invariant, grouped)
+        if len(plan.segments) > 1 and not self.invariant:  # batch-invariant: tiled
+            grouped = Grouped.of(plan.segments, self.dtype, self.device)
+        self.context.batch = LoRABatch(plan.segments, self.invariant, grouped)
         try:
-            yield True
+            yield
         finally:
             self.context.batch = None
+
+
+def _pieces(model: nn.Module, layer: str, shards: int) -> list[ShardSlice | None]:
+    """This rank's slice of each checkpoint weight fused into `layer` (q/k/v, gate/up)."""
+    if shards == 1:
+        names = [model.checkpoint_name(f"{layer}.weight")]
+    else:
+        names = [model.checkpoint_name(f"{layer}.weight#{j}") for j in range(shards)]
+    return [model.checkpoint_slice(name) for name in names]

@@ -170,9 +170,8 @@ def build_adapter(
                 "lora_path", f"{WEIGHTS_FILE}: {module} is not a layer an adapter may target"
             )
         targeted.add(projection)
-        target = _target(model, module)
-        key, dest, shard = target
-        _check_pair(module, a, b, dest, config.rank)
+        key, shape, shard = _target(model, module)
+        _check_pair(module, a, b, shape, config.rank)
         b_scaled = (b.float() * config.scaling).to(dtype)
         layers.setdefault(key, {})[shard] = (a.to(dtype).contiguous(), b_scaled.contiguous())
     _check_finite(pairs)
@@ -215,28 +214,31 @@ def _pairs(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[Any, An
     return {module: (halves["A"], halves["B"]) for module, halves in found.items()}
 
 
-def _target(model: Any, module: str) -> tuple[str, torch.Tensor, int]:
-    """(the model's linear layer, the slice of its weight the module maps to, shard)."""
+def _target(model: Any, module: str) -> tuple[str, tuple[int, ...], int]:
+    """(the model's linear layer, the whole shape of the checkpoint weight the module
+    adapts, shard). Whole: a tensor-parallel rank holds a slice of that weight, and of
+    the adapter (model/lora.py `rank_part`)."""
     try:
         view = model.checkpoint_view(f"{module}.weight")
+        shape = model.checkpoint_shape(f"{module}.weight")
     except ValueError:
         view = None
     if view is None:
         raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module} is not a layer of this model")
-    key, dest = view
+    key = view[0]
     param, _, shard = key.partition("#")
     if shard and not shard.isdigit():  # "expert.part": a slice of stacked experts
         raise InvalidArgument(
             "lora_path", f"{WEIGHTS_FILE}: {module} is a routed expert; adapters on a "
             "mixture of experts may target attention, shared experts and dense layers"
         )  # fmt: skip
-    return param.removesuffix(".weight"), dest, int(shard or 0)
+    return param.removesuffix(".weight"), shape, int(shard or 0)
 
 
 def _check_pair(
-    module: str, a: torch.Tensor, b: torch.Tensor, dest: torch.Tensor, rank: int
+    module: str, a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...], rank: int
 ) -> None:
-    out_features, in_features = dest.shape
+    out_features, in_features = shape
     expected = {"lora_A": (rank, in_features), "lora_B": (out_features, rank)}
     for half, tensor in (("lora_A", a), ("lora_B", b)):
         if not tensor.is_floating_point():

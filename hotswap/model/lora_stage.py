@@ -77,8 +77,8 @@ def _expected_tensors(config: AdapterConfig, base: AdapterWeights | None,
     for layer in range(model.spec.num_layers):
         for target in config.target_modules:
             module = f"model.layers.{layer}.{_BLOCKS[target]}.{target}"
-            _, dest = model.checkpoint_view(f"{module}.weight")
-            out_features, in_features = dest.shape
+            # whole: a tensor-parallel rank's weight is a slice of it
+            out_features, in_features = model.checkpoint_shape(f"{module}.weight")
             tensors[f"{module}.lora_A.weight"] = torch.zeros(config.rank, in_features)
             tensors[f"{module}.lora_B.weight"] = torch.zeros(out_features, config.rank)
     return tensors

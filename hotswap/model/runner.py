@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from hotswap.model.compiled import CompiledDecode, compilation_available
 from hotswap.model.host_memory import return_freed_memory, reuse_freed_memory
 from hotswap.model.kernels import CpuKernels
 from hotswap.model.loader import build_model
-from hotswap.model.lora import ModelLoRA
+from hotswap.model.lora import LoRAPlan, ModelLoRA
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
 from hotswap.model.parallel import TPGroup
 from hotswap.model.rank_weights import RankWeights
@@ -267,14 +268,18 @@ class ModelRunner(RankWeights):
         items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, _adapter_key(s),
                                                       s.start))  # fmt: skip
         batch = plan_batch(items, self.block_size)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.plan([(s.request.lora, s.num_tokens) for s in items])
         if self.tp.parallel:
-            self.tp.broadcast_object(("forward_batch", (batch,)))
+            self.tp.broadcast_object(("forward_batch", (batch, lora)))
         inputs = self._inputs(batch)
-        if self.lora is None:
-            return self._run(items, inputs, compiled=True)
-        with self.lora.step([(s.request.lora, s.num_tokens) for s in items]) as adapted:
+        with self._adapters(lora):
             # the compiled graphs were traced without adapters: adapter steps run eagerly
-            return self._run(items, inputs, compiled=not adapted)
+            return self._run(items, inputs, compiled=lora is None)
+
+    def _adapters(self, plan: LoRAPlan | None) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.lora is None else self.lora.apply(plan)
 
     def _run(self, items: list[ScheduledChunk], inputs: StepInputs, compiled: bool) -> RunnerOutput:
         out = RunnerOutput()
@@ -301,11 +306,13 @@ class ModelRunner(RankWeights):
                            self.backend.reads_decode_batch)  # fmt: skip
 
     @torch.inference_mode()
-    def forward_batch(self, batch: StepBatch) -> None:
+    def forward_batch(self, batch: StepBatch, lora: LoRAPlan | None = None) -> None:
         """A step on a rank other than 0: the forward and LM-head passes rank 0's `_run`
-        makes for it (their collectives pair up with rank 0's), without sampling."""
+        makes for it (their collectives pair up with rank 0's), without sampling; its
+        adapters as rank 0 placed them."""
         inputs = self._inputs(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        with self._adapters(lora):
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         rows = inputs.prompt_rows.rows
         for start in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
             chunk = torch.tensor(rows[start : start + PROMPT_LOGPROBS_CHUNK], device=self.device)

@@ -149,10 +149,12 @@ def test_a_served_engine_whose_rank_dies_reports_itself_dead(tiny_llama) -> None
 
 @pytest.mark.slow
 def test_a_model_that_cannot_split_is_refused_and_leaves_no_worker(tiny_model_factory) -> None:
-    """OLMoE normalises q and k over every head at once: a rank's heads alone cannot."""
+    """Three key/value heads: two ranks can neither split nor replicate them evenly."""
+    path = tiny_model_factory("llama", hidden_size=96, num_attention_heads=6,
+                              num_key_value_heads=3)  # fmt: skip
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(InvalidArgument, match="does not run tensor-parallel") as refused:
-        make(tiny_model_factory("olmoe"), 2)
+    with pytest.raises(InvalidArgument, match="divide the model's num_key_value_heads") as refused:
+        make(path, 2)
     assert refused.value.field == "tensor_parallel_size"
     after = {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()}
     assert after <= before
@@ -161,7 +163,6 @@ def test_a_model_that_cannot_split_is_refused_and_leaves_no_worker(tiny_model_fa
 @pytest.mark.parametrize(
     "kwargs,field",
     [
-        ({"enable_lora": True}, "enable_lora"),
         ({"weight_transfer_config": {"backend": "ipc", "double_buffer": True}},
          "weight_transfer_config.double_buffer"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
