@@ -251,11 +251,12 @@ class EngineArgs:
 
     def _weight_transfer_config(self) -> WeightTransferConfig | None:
         config = WeightTransferConfig.parse(self.weight_transfer_config)
-        if config is not None and config.double_buffer and self.tensor_parallel_size > 1:
+        if config is not None and config.double_buffer and config.backend == "m2n":
+            # every rank receives its own parts into its stage, written at the commit
             raise InvalidArgument(
                 "weight_transfer_config.double_buffer",
-                "weight_transfer_config.double_buffer: not supported with "
-                "tensor_parallel_size > 1 yet",
+                "weight_transfer_config.double_buffer: not supported with the 'm2n' backend "
+                "(each rank stages its own parts and writes them at the commit)",
             )
         if config is not None and config.backend == "m2n" and self.data_parallel_size > 1:
             # the group's engine ranks are one core's model ranks: the cores of a

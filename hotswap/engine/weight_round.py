@@ -6,14 +6,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from hotswap.engine.weight_targets import WeightTargets
 from hotswap.model.lora_stage import AdapterStage
-from hotswap.model.parallel import TensorParallelError
+from hotswap.model.parallel import ShardSlice, TensorParallelError
+from hotswap.model.shadow import ShadowWeights, Target
 from hotswap.weight_transfer.base import Delta
 from hotswap.weight_transfer.config import WeightTransferConfig
 from hotswap.weight_transfer.m2n import STAGED
@@ -66,6 +67,18 @@ class ModelWriter(Protocol):
     def apply_deltas(self, deltas: list[tuple[str, Delta]]) -> None: ...
     def commit_stage(self, names: list[str]) -> None:
         """Write every rank's received parts of `names` (m2n rounds); [] drops them."""
+
+
+class RankWriter(ModelWriter, Protocol):
+    """The engine's model writer (ModelRunner), which also holds each tensor-parallel
+    rank's double buffer (model/shadow.py)."""
+
+    def rank_shadow(self) -> ShadowWeights: ...
+    def write_shadow(self, target: Target, item: Any, piece: ShardSlice | None) -> torch.Tensor: ...
+    def forward_to_shadows(self, items: list[tuple[str, Any]]) -> None: ...
+    def swap_shadow(self) -> None: ...
+    def discard_shadow(self) -> None: ...
+    def release_shadow(self) -> None: ...
 
 
 class LocalWriter:

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hotswap.engine.double_buffer import ShadowWeights, fits
+from hotswap.engine.double_buffer import fits
 from hotswap.engine.errors import EngineStateError
 from hotswap.engine.verbs import InlineTensor
 from hotswap.engine.weight_round import (
     LocalWriter,
-    ModelWriter,
+    RankWriter,
     Round,
     drain,
     fresh_allocator,
@@ -37,6 +37,7 @@ from hotswap.engine.weight_round import (
 from hotswap.engine.weight_targets import WeightTargets, claimed_entry
 from hotswap.errors import InvalidArgument
 from hotswap.model.lora_stage import AdapterStage
+from hotswap.model.shadow import ShadowWeights
 from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
 from hotswap.weight_transfer.config import WeightTransferConfig
@@ -50,7 +51,7 @@ class WeightSync:
     def __init__(
         self,
         model: nn.Module,
-        writer: ModelWriter,
+        writer: RankWriter,
         config: WeightTransferConfig | None,
         device: torch.device,
         allowed_weight_dirs: tuple[Path, ...] | None = None,
@@ -71,9 +72,13 @@ class WeightSync:
         self.targets = WeightTargets(model)
         # Double buffering (double_buffer.py): rounds are written into a second copy of the
         # weights and the commit swaps the two. None: the commit copies the stage in.
+        # Every tensor-parallel rank keeps a shadow of its share (model/shadow.py); this is
+        # rank 0's, and the writer writes and switches them all.
         self.shadow: ShadowWeights | None = None
-        if config and config.double_buffer and fits(model, device, config.allow_copy_fallback):
-            self.shadow = ShadowWeights(model)
+        ranks = model.tp.size if device.type == "cpu" else 1  # sharing the host's memory
+        if config and config.double_buffer and fits(model, device, config.allow_copy_fallback,
+                                                    ranks):  # fmt: skip
+            self.shadow = writer.rank_shadow()
 
     @property
     def round_open(self) -> bool:
@@ -201,21 +206,19 @@ class WeightSync:
         fallback = self.transfer.allocate
         targets = {m.name: self._param_target(m.name, checkpoint) for m in metas}
         self.transfer.allocate = lambda m: shadow.receive_buffer(m, targets.get(m.name), fallback)
+        sliced = checkpoint and self.model.tp.parallel  # this rank holds a part of each
+        received = []
         try:
-            with torch.no_grad():
-                for name, item in self.transfer.receive_weights(update_info, metas):
-                    target = targets[name]
-                    if target is None:
-                        continue  # a name the model ignores
-                    sparse = isinstance(item, Delta)
-                    view = shadow.destination(target[1], target[0], sparse)
-                    if sparse:
-                        view.view(-1)[item.indices] = item.values.to(view.dtype)
-                    else:
-                        shadow.write(item, view)
-                    round_.staged[name] = view
+            for name, item in self.transfer.receive_weights(update_info, metas):
+                target = targets[name]
+                if target is None:
+                    continue  # a name the model ignores
+                piece = self.model.checkpoint_slice(name) if sliced else None
+                round_.staged[name] = self.writer.write_shadow(target, item, piece)
+                received.append((name, item))
         finally:
             self.transfer.allocate = fallback
+        self.writer.forward_to_shadows(received)  # the other ranks' parts
 
     def _param_target(self, name: str, checkpoint: bool) -> tuple[str, torch.Tensor] | None:
         """(parameter name, the live view `name` is written to), or None if ignored."""
@@ -335,12 +338,12 @@ class WeightSync:
         allocates again), and the double buffer."""
         self._pool.clear()
         if self.shadow is not None:
-            self.shadow.release()
+            self.writer.release_shadow()
 
     def _discard(self, round_: Round) -> None:
         """A round that will not be committed: what it wrote into the shadow is stale."""
         if round_.in_shadow and self.shadow is not None:
-            self.shadow.discard_round()
+            self.writer.discard_shadow()
         if any(item is STAGED for item in round_.staged.values()):
             self.writer.commit_stage([])  # drops every rank's received parts
 
@@ -363,7 +366,7 @@ class WeightSync:
         incomplete instead of being served half-written. A round written into the double
         buffer is committed by swapping it in."""
         if round_.in_shadow and self.shadow is not None:
-            self.shadow.swap()
+            self.writer.swap_shadow()
             return
         model = round_.targets.model
         # The model's own weights go through the writer (every rank); an adapter's stage

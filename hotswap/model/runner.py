@@ -30,6 +30,7 @@ from hotswap.model.rank_weights import RankWeights
 from hotswap.model.residency import WeightResidency
 from hotswap.model.routed_experts import RoutedExpertsBuffer
 from hotswap.model.sampler import Sampler, SamplingBatch, TokenLogprobs, top_logprobs
+from hotswap.model.shadow import RankShadow, ShadowWeights
 from hotswap.model.step import ScheduledChunk, StepPlan
 from hotswap.model.step_inputs import (
     PromptLogprobRows,
@@ -58,7 +59,7 @@ class RunnerOutput:
     routed_experts: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-class ModelRunner(RankWeights):
+class ModelRunner(RankWeights, RankShadow):
     """Runs the model of one engine core. Under tensor parallelism the engine core's
     runner is rank 0 and leads: it starts the other ranks (tp_workers.py), and every
     method marked `on_every_rank` runs on all of them, in the same order (the other ranks
@@ -79,6 +80,7 @@ class ModelRunner(RankWeights):
             groups = (self.workers.group, self.workers.transfer_channel)
         self.tp, self.transfer_channel = groups or (TPGroup(), TPGroup())
         self.rank_stage: dict[str, torch.Tensor] = {}
+        self.shadow: ShadowWeights | None = None  # the double buffer's (model/shadow.py)
         try:
             self._build(config, progress)
         except BaseException:

@@ -163,7 +163,7 @@ def test_a_model_that_cannot_split_is_refused_and_leaves_no_worker(tiny_model_fa
 @pytest.mark.parametrize(
     "kwargs,field",
     [
-        ({"weight_transfer_config": {"backend": "ipc", "double_buffer": True}},
+        ({"weight_transfer_config": {"backend": "m2n", "double_buffer": True}},
          "weight_transfer_config.double_buffer"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"distributed_executor_backend": "uni"}, "distributed_executor_backend"),

@@ -77,20 +77,21 @@ def test_the_switch_is_a_pointer_swap(v1_dir, v2_trainer) -> None:
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == live  # and back
 
 
+def abort_round(llm: LLM, source) -> None:  # noqa: ANN001
+    """Send every tensor of `source` into a round (into the shadow), then abort it."""
+    client = InProcessWeightSyncClient(llm)
+    sync = WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(), client, source)
+    client.start_weight_update()
+    sync.send_round(list(source.metadata()), [t for _, t in source])
+    client.finish_weight_update(abort=True)
+    sync.shutdown()
+
+
 def test_an_aborted_round_leaves_the_live_weights_and_a_fresh_shadow(v1_dir, v2_trainer) -> None:
     swap, copy = engine(v1_dir), engine(v1_dir, {"backend": "ipc"})
     start = digest(swap)
-    client = InProcessWeightSyncClient(swap)
-    sync = WeightTransferTrainerFactory.trainer_init(
-        IPCTrainerInitInfo(), client, ModuleSource(v2_trainer)
-    )
-    client.start_weight_update()
-    metas = list(ModuleSource(v2_trainer).metadata())
-    tensors = [t for _, t in ModuleSource(v2_trainer)]
-    sync.send_round(metas, tensors)  # the whole round is in the shadow now...
-    client.finish_weight_update(abort=True)  # ...and dropped
+    abort_round(swap, ModuleSource(v2_trainer))  # the whole round was in the shadow
     assert digest(swap) == start
-    sync.shutdown()
     # The next partial round must not commit the aborted round's other weights.
     send(swap, norm_of(v2_trainer, 1.0), "partial")
     send(copy, norm_of(v2_trainer, 1.0), "partial")

@@ -79,19 +79,22 @@ def test_generation_runs_while_a_round_is_open(v1_dir, v2_trainer) -> None:
 
 
 @pytest.mark.parametrize(
-    "kv_policy,double_buffer", [("recompute", False), ("keep", False), ("recompute", True)]
+    "kv_policy,double_buffer,tp",
+    [("recompute", False, 1), ("keep", False, 1), ("recompute", True, 1), ("recompute", True, 2)],
 )
 def test_switch_mid_flight_without_a_pause(
-    kv_policy, double_buffer, v1_dir, v2_dir, v2_trainer
+    kv_policy, double_buffer, tp, v1_dir, v2_dir, v2_trainer
 ) -> None:
     """8 greedy streams; once one has 10 tokens the trainer sends V2 with no pause. With
     recompute, each continuation equals a fresh V2 engine fed prompt + tokens so far
-    (also when the round is written into a double buffer and swapped in)."""
+    (also when the round is written into a double buffer and swapped in, and on two
+    tensor-parallel ranks, each writing its shadow while its steps run)."""
 
     async def run() -> tuple[list[CompletionOutput], list[list[int]]]:
         config = {"backend": "gloo", "in_flight": True, "kv_policy": kv_policy,
                   "double_buffer": double_buffer}  # fmt: skip
-        llm = AsyncLLM(str(v1_dir), weight_transfer_config=config, **ENGINE)
+        llm = AsyncLLM(str(v1_dir), weight_transfer_config=config, tensor_parallel_size=tp,
+                       **ENGINE)  # fmt: skip
         try:
             trainer = await _trainer(llm, v2_trainer)
             params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -1,0 +1,195 @@
+"""The double buffer's second copy of the weights (engine/double_buffer.py says when it is
+used), on every tensor-parallel rank: each rank keeps a shadow of its own share.
+
+Rank 0 receives a round's tensors whole and writes its part into its shadow, then sends
+the chunk over the ranks' transfer channel (tp_workers.py), where each rank's transfer
+thread writes its part into its own shadow while its steps run; rank 0 raises the first
+rank's error before the chunk counts as received. The commit's swap, a dropped round and
+sleep's release run on every rank in step order (`on_every_rank`), so every rank switches
+between the same two steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from hotswap.model.parallel import ShardSlice, TPGroup
+from hotswap.model.tp_workers import on_every_rank
+
+# (parameter name, the live view a checkpoint tensor is written to): where a write lands.
+Target = tuple[str, torch.Tensor]
+SHADOW_WRITE = "shadow_write"  # the transfer-channel call `forward_to_shadows` sends
+
+
+class DeltaPart(NamedTuple):
+    """A sparse change to a checkpoint tensor: `values` at its flat `indices` (whole)."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+
+
+class ShadowWeights:
+    """A second copy of a model's parameters (this rank's share), written by a round
+    while steps read the live ones, and swapped in at its commit."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params: dict[str, nn.Parameter] = model.parameter_index()
+        self.shadow: dict[str, torch.Tensor] = {}  # allocated per parameter on first write
+        self.written: set[str] = set()  # parameters the open round wrote into the shadow
+
+    def claim(self, name: str, whole: bool) -> torch.Tensor:
+        """Parameter `name`'s shadow, ready for the round to write into. The first write of
+        a round that covers only part of it (a shard of a fused tensor, a sparse delta)
+        first refreshes it from the live weights, so the parts the round leaves alone
+        commit unchanged; a whole write needs no refresh."""
+        live = self.params[name].data
+        buffer = self.shadow.get(name)
+        if buffer is None or buffer.shape != live.shape or buffer.dtype != live.dtype:
+            buffer = self.shadow[name] = torch.empty_like(live)
+        if name not in self.written:
+            if not whole:
+                with torch.no_grad():
+                    buffer.copy_(live)
+            self.written.add(name)
+        return buffer
+
+    def destination(self, live_view: torch.Tensor, name: str, sparse: bool = False) -> torch.Tensor:
+        """The shadow's counterpart of `live_view`, a view into parameter `name` (all of
+        it, or a shard of a fused one), claimed for writing (`sparse`: only some of its
+        elements will be written)."""
+        param = self.params[name].data
+        whole = not sparse and live_view.numel() == param.numel()
+        shadow = self.claim(name, whole)
+        offset = live_view.storage_offset() - param.storage_offset()
+        return shadow.as_strided(live_view.shape, live_view.stride(),
+                                 shadow.storage_offset() + offset)  # fmt: skip
+
+    def receive_buffer(self, meta: Any, target: Target | None,
+                       fallback: Callable[[Any], torch.Tensor]) -> torch.Tensor:  # fmt: skip
+        """Where to receive `meta` (a weight_transfer ParamMeta): straight into the shadow
+        when the sent tensor has the destination's exact dtype and shape (and the view is
+        contiguous), else a buffer from `fallback` that `write` copies in."""
+        if target is not None:
+            name, live_view = target
+            if (live_view.dtype == meta.dtype and tuple(live_view.shape) == meta.shape
+                    and live_view.is_contiguous()):  # fmt: skip
+                return self.destination(live_view, name)
+        return fallback(meta)
+
+    @torch.no_grad()
+    def write(self, received: torch.Tensor, view: torch.Tensor) -> None:
+        """Copy a received tensor into its shadow view (unless it was received there)."""
+        if received.data_ptr() != view.data_ptr() or received.dtype != view.dtype:
+            view.copy_(received)
+
+    def discard_round(self) -> None:
+        """The open round will not be committed: what it wrote is forgotten (a later
+        partial write refreshes from the live weights again)."""
+        self.written.clear()
+
+    def release(self) -> None:
+        """Free the shadow (sleep); later rounds allocate it again."""
+        self.shadow.clear()
+        self.written.clear()
+
+    def swap(self) -> None:
+        """The switch: every parameter the round wrote now reads its shadow, whose
+        buffer keeps the previous weights for reuse; the others stay as they are."""
+        for name in self.written:
+            param = self.params[name]
+            param.data, self.shadow[name] = self.shadow[name], param.data
+        self.written.clear()
+
+
+class RankShadow:
+    """Mixed into ModelRunner (which provides `model`, `tp`, `transfer_channel`,
+    `tell_workers` and `gather_errors`): this rank's shadow, and the calls that write and
+    switch it on every rank."""
+
+    model: nn.Module
+    tp: TPGroup
+    transfer_channel: TPGroup
+    shadow: ShadowWeights | None
+    tell_workers: Callable[[tuple[str, tuple]], None]
+    gather_errors: Callable[[str | None], list[str | None]]
+
+    def rank_shadow(self) -> ShadowWeights:
+        """This rank's shadow (made on first use: ranks 1.. when a round first writes)."""
+        if self.shadow is None:
+            self.shadow = ShadowWeights(self.model)
+        return self.shadow
+
+    @torch.no_grad()
+    def write_shadow(self, target: Target, item: Any, piece: ShardSlice | None) -> torch.Tensor:
+        """A received checkpoint tensor (whole) or `DeltaPart` into this rank's part of its
+        shadow: `target` as the live weights have it, `piece` the part of the whole tensor
+        this rank holds (None: all). Returns the shadow view written."""
+        shadow = self.rank_shadow()
+        sparse = not isinstance(item, torch.Tensor)
+        view = shadow.destination(target[1], target[0], sparse)
+        if not sparse:
+            shadow.write(item if piece is None else piece.take(item), view)
+            return view
+        indices, values = item.indices.to(view.device), item.values
+        if piece is not None:
+            mask, indices = piece.local_indices(piece.full_shape(tuple(view.shape)), indices)
+            values = values[mask.to(values.device)]
+        view.view(-1)[indices] = values.to(view.device, view.dtype)
+        return view
+
+    def forward_to_shadows(self, items: list[tuple[str, Any]]) -> None:
+        """Rank 0: a chunk's received tensors and deltas to every other rank, each of which
+        writes its part into its shadow; raises the first rank's error."""
+        if not self.tp.parallel or not items:
+            return
+        sent = [(name, _parts(item)) for name, item in items]
+        metas = [(name, [(p.shape, p.dtype, p.is_cuda) for p in parts]) for name, parts in sent]
+        self.tell_workers((SHADOW_WRITE, (metas,)))
+        for _, parts in sent:
+            for part in parts:
+                self.transfer_channel.broadcast(part.contiguous())
+        for rank, error in enumerate(self.gather_errors(None)):
+            if error is not None:
+                raise RuntimeError(f"double buffer: tensor-parallel rank {rank} failed: {error}")
+
+    def receive_shadow_writes(self, metas: list[tuple[str, list[tuple]]]) -> None:
+        """Ranks 1.. (their transfer thread): what rank 0's `forward_to_shadows` sends.
+        Every tensor is received before any is written, so the broadcasts pair up with
+        rank 0's even when a write fails."""
+        device = next(self.model.parameters()).device
+        received = []
+        for name, parts in metas:
+            tensors = [torch.empty(shape, dtype=dtype, device=device if cuda else "cpu")
+                       for shape, dtype, cuda in parts]  # fmt: skip
+            received.append((name, [self.transfer_channel.broadcast(t) for t in tensors]))
+        for name, tensors in received:
+            target = self.model.checkpoint_view(name)
+            if target is not None:
+                item = tensors[0] if len(tensors) == 1 else DeltaPart(*tensors)
+                param = (target[0].partition("#")[0], target[1])
+                self.write_shadow(param, item, self.model.checkpoint_slice(name))
+
+    @on_every_rank
+    def swap_shadow(self) -> None:
+        """The commit: every rank's shadow becomes its live weights (between two steps)."""
+        self.rank_shadow().swap()
+
+    @on_every_rank
+    def discard_shadow(self) -> None:
+        """A round that will not be committed: what it wrote is stale on every rank."""
+        if self.shadow is not None:
+            self.shadow.discard_round()
+
+    @on_every_rank
+    def release_shadow(self) -> None:
+        """Sleep: every rank frees its shadow (later rounds allocate it again)."""
+        if self.shadow is not None:
+            self.shadow.release()
+
+
+def _parts(item: Any) -> list[torch.Tensor]:
+    return [item] if isinstance(item, torch.Tensor) else [item.indices, item.values]
