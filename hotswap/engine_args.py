@@ -258,15 +258,6 @@ class EngineArgs:
                 "weight_transfer_config.double_buffer: not supported with the 'm2n' backend "
                 "(each rank stages its own parts and writes them at the commit)",
             )
-        if config is not None and config.backend == "m2n" and self.data_parallel_size > 1:
-            # the group's engine ranks are one core's model ranks: the cores of a
-            # data-parallel server would claim the same ranks
-            raise InvalidArgument(
-                "weight_transfer_config.backend",
-                "weight_transfer_config.backend: 'm2n' takes one engine core per server "
-                f"(got data_parallel_size={self.data_parallel_size}); run a server per "
-                "replica, or use a whole-tensor backend",
-            )
         return config
 
     def _executor_backend(self) -> str:

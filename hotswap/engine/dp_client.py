@@ -7,7 +7,8 @@ hotswap.ray.dp) with its own model copy and KV cache, behind one front-end.
   Outputs a rank produced before its answer are delivered before the merged answer, so
   pause keeps its contract across ranks.
 - For a broadcast weight transfer the ranks are workers `rank_offset + i`: the trainer's
-  group is 1 + N, and every rank receives the same bytes.
+  group is 1 + N, and every rank receives the same bytes. With m2n every tensor-parallel
+  rank of every core receives its own slices: core i's rank r is engine rank i * tp + r.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from hotswap.engine.messages import (
     UtilityResult,
 )
 from hotswap.engine_args import EngineArgs
+from hotswap.weight_transfer.backends import get_backend
+from hotswap.weight_transfer.config import WeightTransferConfig
 from hotswap.weight_transfer.engine import shift_rank_offset
 
 _MAX_STATS = frozenset({"weight_version", "sleep_level", "step_ms_p50", "step_ms_p99"})
@@ -78,6 +81,10 @@ class DPEngineClient(EngineCoreClient):
         self.answers: dict[int, list[UtilityResult | None]] = {}
         self.methods: dict[int, str] = {}
         self.on_outputs: OutputHandler | None = None
+        # Whether core i joins a broadcast group as worker rank_offset + i (m2n's ranks
+        # place themselves by their core's data_parallel_rank instead).
+        config = WeightTransferConfig.parse(engine_args.weight_transfer_config)
+        self.shifts = config is None or get_backend(config.backend).shift_per_core
         self.dead = False  # a rank died: the front end has failed everything already
 
     def start(self, on_outputs: OutputHandler) -> None:
@@ -107,7 +114,8 @@ class DPEngineClient(EngineCoreClient):
             self.answers[call.call_id] = [None] * len(self.ranks)
             self.methods[call.call_id] = call.verb
         for index, rank in enumerate(self.ranks):
-            rank.call_utility(UtilityCall(call.call_id, _args_for(call.args, index)))
+            args = _args_for(call.args, index if self.shifts else 0)
+            rank.call_utility(UtilityCall(call.call_id, args))
 
     def shutdown(self) -> None:
         for rank in self.ranks:
@@ -158,10 +166,10 @@ class DPEngineClient(EngineCoreClient):
             self.ranks[i].abort_requests(ids)
 
 
-def _args_for(args: verbs.Args, rank: int) -> verbs.Args:
-    """Rank `rank` joins a broadcast group as worker rank_offset + rank."""
+def _args_for(args: verbs.Args, shift: int) -> verbs.Args:
+    """A core whose first receiving worker is `shift` past rank_offset joins there."""
     if isinstance(args, verbs.InitWeightTransfer):
-        return verbs.InitWeightTransfer(init_info=shift_rank_offset(args.init_info, rank))
+        return verbs.InitWeightTransfer(init_info=shift_rank_offset(args.init_info, shift))
     return args
 
 

@@ -12,12 +12,14 @@ from typing import Any
 
 import torch
 
+from hotswap.config import EngineConfig
 from hotswap.model.parallel import TPGroup, check_whole_shape
 from hotswap.model.residency import WeightResidency
 from hotswap.model.tp_workers import on_every_rank
 
 
 class RankWeights:
+    config: EngineConfig
     model: torch.nn.Module
     tp: TPGroup
     residency: WeightResidency
@@ -30,7 +32,9 @@ class RankWeights:
     # -- every rank receives (weight_transfer/m2n.py's RankTransfer) ----------------------
     @property
     def engine_rank(self) -> int:
-        return self.tp.rank
+        """This rank among every receiving rank of a data-parallel server: core i's
+        tensor-parallel rank r is i * tp + r."""
+        return self.config.data_parallel_rank * self.tp.size + self.tp.rank
 
     @property
     def tp_size(self) -> int:

@@ -37,6 +37,9 @@ class WeightTransferEngine(ABC):
 
     backend: ClassVar[str]
     needs_init: ClassVar[bool] = True  # False: usable without init_weight_transfer_engine
+    # Data-parallel core i receives as worker rank_offset + i (`shift_rank_offset`); False:
+    # its ranks place themselves in the group by the core's data_parallel_rank (m2n).
+    shift_per_core: ClassVar[bool] = True
     sends_deltas: ClassVar[bool] = False  # True: yields `Delta`s (sparse.py), not tensors
     # What init_weight_transfer_engine and update_weights carry (infos.py): the engine
     # parses with them, and so does a front end that knows the backend (make_args).

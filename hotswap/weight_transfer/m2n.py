@@ -153,6 +153,9 @@ class M2NEngine(WeightTransferEngine):
     """Rank 0's end (the backend an engine core configures); see the module docstring."""
 
     backend: ClassVar[str] = "m2n"
+    # rank_offset is the number of trainer ranks: every engine rank, of every core, is
+    # placed after them by its own engine_rank (RankTransfer)
+    shift_per_core: ClassVar[bool] = False
     init_info_cls: ClassVar[type[Info]] = M2NInitInfo
     update_info_cls: ClassVar[type[Info]] = M2NUpdateInfo
 

@@ -167,8 +167,6 @@ def test_a_model_that_cannot_split_is_refused_and_leaves_no_worker(tiny_model_fa
          "weight_transfer_config.double_buffer"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
         ({"distributed_executor_backend": "uni"}, "distributed_executor_backend"),
-        ({"data_parallel_size": 2, "weight_transfer_config": {"backend": "m2n"}},
-         "weight_transfer_config.backend"),
         ({"distributed_executor_backend": "external_launcher"}, "distributed_executor_backend"),
     ],
 )  # fmt: skip

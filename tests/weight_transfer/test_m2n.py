@@ -1,9 +1,10 @@
 """Resharded rounds (m2n) from M trainer ranks (threads of this process, each with its own
 shards) into an engine of N tensor-parallel ranks: 2->2, 2->1, 1->2, 4->2 each give
 weights equal to a fresh N-rank engine loaded from the same checkpoint (digest) and the
-same greedy continuation, each engine rank receiving only its slices' bytes. A malformed
-declaration is refused naming the shard and changes nothing; a rank dying mid-round stops
-the engine instead of serving mixed weights."""
+same greedy continuation, each engine rank receiving only its slices' bytes; 2 -> 2 x 2
+into two data-parallel cores of two ranks. A malformed declaration is refused naming the
+shard and changes nothing; a rank dying mid-round stops the engine instead of serving
+mixed weights."""
 
 from __future__ import annotations
 
@@ -91,8 +92,11 @@ def push(llm: LLM, tensors: dict[str, torch.Tensor], trainers: int, tp: int,
     return sent
 
 
+PROMPTS = ["hello world the", "the quick brown"]
+
+
 def tokens(llm: LLM) -> list[list[int]]:
-    outs = llm.generate(["hello world the", "the quick brown"], GREEDY, use_tqdm=False)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [out.outputs[0].token_ids for out in outs]
 
 
@@ -204,3 +208,38 @@ def test_an_in_flight_round_is_received_by_every_rank_while_steps_run(dirs) -> N
 
     during, versions = asyncio.run(scenario())
     assert during > 0 and versions == {0, 1}
+
+
+def test_every_rank_of_every_data_parallel_core_receives_its_slices(dirs) -> None:
+    """Two data-parallel cores of two tensor-parallel ranks each: core i's rank r is
+    engine rank i * 2 + r of the group, so 2 trainer ranks update 4 engine ranks in one
+    round; both cores then hold a fresh two-rank engine's weights (the merged digest is
+    null if the cores disagree) and generate its tokens."""
+    v1, v2 = dirs
+    new = load_file(str(v2 / "model.safetensors"))
+    fresh = engine(v2, 2, backend=None)
+    want = fresh.get_weight_info()["digest"], tokens(fresh)
+    fresh.shutdown()
+
+    async def scenario() -> tuple[int, str, list[list[int]]]:
+        llm = AsyncLLM(str(v1), multiprocess=True, data_parallel_size=2, tensor_parallel_size=2,
+                       dtype="float32", progress=False,
+                       weight_transfer_config={"backend": "m2n"})  # fmt: skip
+        try:
+            world = await llm.get_world_size()  # what the trainer sizes its group by
+            await asyncio.to_thread(push, llm, new, 2, world)
+
+            async def one(i: int, prompt: str) -> list[int]:
+                outs = [o async for o in llm.generate(prompt, GREEDY, request_id=f"r{i}")]
+                return outs[-1].outputs[0].token_ids
+
+            # together: least loaded first, one request on each core
+            got = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+            assert all(count > 0 for count in llm.client.routed)
+            return world, (await llm.get_weight_info())["digest"], list(got)
+        finally:
+            llm.shutdown()
+
+    world, digest, got = asyncio.run(scenario())
+    assert world == 4
+    assert (digest, got) == want
