@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -11,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from hotswap.engine.core import EngineCore
+from hotswap.engine.errors import EngineDeadError
 from hotswap.engine.handlers import run_now
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine.output_processor import OutputProcessor
@@ -19,12 +21,20 @@ from hotswap.engine.verb_methods import verb_method
 from hotswap.engine.verbs import make_args
 from hotswap.engine_args import EngineArgs
 from hotswap.lora_request import LoadedAdapters, LoRARequest
+from hotswap.model.host_memory import return_freed_memory
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
 from hotswap.weight_transfer.inline import inline_tensors
 
 Message = dict[str, Any]
+
+
+class _ShutDown:
+    """An LLM's engine after `shutdown`: any use is refused."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise EngineDeadError("LLM was shut down")
 
 
 class LLM:
@@ -124,9 +134,16 @@ class LLM:
         return self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
 
     def shutdown(self) -> None:
-        """Stop the engine's tensor-parallel workers (nothing to stop without them); the
-        LLM serves nothing afterwards. Unreferenced, they are stopped at exit at the latest."""
+        """Stop the engine's tensor-parallel workers and free its weights and KV cache
+        (handing the freed heap back to the system: the engine keeps freed blocks for its
+        steps, host_memory.py); the LLM serves nothing afterwards, and a second call does
+        nothing. Without it, the workers are stopped at exit at the latest."""
+        if isinstance(self.engine, _ShutDown):
+            return
         self.engine.close()
+        self.engine = _ShutDown()
+        gc.collect()  # the engine's objects refer to each other
+        return_freed_memory()
 
     # -- the verbs' methods (verb_methods.py): parameters are the verbs' arguments -------
     reset_prefix_cache = verb_method("reset_prefix_cache")

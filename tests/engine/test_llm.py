@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
-from hotswap import LLM, SamplingParams
+from hotswap import LLM, EngineDeadError, SamplingParams
 from tests.helpers.recording import record_logits
 
 # Engines in this process, each test seconds: the whole module is slow.
@@ -195,3 +197,15 @@ def test_batch_invariance_holds_with_penalties_and_processed_logprobs(tiny_llama
     mixed = llm.generate([SHARED, target, "Pause"], [others[0], params, others[1]])
     assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
     assert mixed[1].outputs[0].logprobs == alone.outputs[0].logprobs
+
+
+def test_shutdown_frees_the_engine_and_refuses_later_use(tiny_llama) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", progress=False)
+    llm.generate(["hello world"], SamplingParams(max_tokens=2), use_tqdm=False)
+    weights = weakref.ref(llm.engine.runner.model.lm_head_weight)
+    cache = weakref.ref(llm.engine.runner.kv_caches[0][0])
+    llm.shutdown()
+    assert weights() is None and cache() is None  # released, not only stopped
+    with pytest.raises(EngineDeadError, match="shut down"):
+        llm.generate(["hello world"], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.shutdown()  # a second call does nothing
