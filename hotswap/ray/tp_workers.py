@@ -82,10 +82,12 @@ def start_actors(
     workers: list[WorkerHandle] = []
     for rank in range(1, size):
         store.set(f"device{rank}", "cuda:0" if gpu else config.device)
+        # on a bundle: what it holds (its group sized it); else its threads, its GPU
+        bundle = group.bundle_specs[rank] if group is not None else {}
         actor = remote.options(
             name=f"hotswap-tp-rank-{rank}-{tag}",
-            num_cpus=threads,
-            num_gpus=1 if gpu else 0,
+            num_cpus=bundle.get("CPU", threads),
+            num_gpus=bundle.get("GPU", 1 if gpu else 0),
             max_restarts=0,  # a dead rank stops its engine; it does not come back
             scheduling_strategy=_placement(group, rank),
         ).remote()

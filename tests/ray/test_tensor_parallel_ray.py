@@ -1,7 +1,8 @@
 """Tensor parallelism on Ray: worker ranks as Ray actors (`distributed_executor_backend=
 "ray"`), and `--data-parallel-backend ray` with one placement group per tensor-parallel
-group (the core on bundle 0, its worker on bundle 1). Greedy tokens in float32 equal one
-rank's; a worker actor that dies stops its engine."""
+group (the core on bundle 0, its worker on bundle 1), as `launch_engines` gives each
+engine. Greedy tokens in float32 equal one rank's; a worker actor that dies stops its
+engine."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from hotswap import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from tests.helpers.waiting import until, wait_until
 
 ray = pytest.importorskip("ray")
+from hotswap.ray import launch_engines  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["hello world the", "a b c d e f g", "the quick brown fox jumps over the lazy dog"]
@@ -69,6 +72,32 @@ def test_ray_data_parallel_places_each_core_with_its_worker(local_ray, tiny_llam
         await until(lambda: not tp_actors(), "the worker actor is gone")
 
     asyncio.run(scenario())
+
+
+def test_launched_engines_get_a_group_each_with_a_bundle_per_rank(local_ray, tiny_llama,
+                                                                  one_rank):  # noqa: ANN001  # fmt: skip
+    """launch_engines with tensor_parallel_size 2: each engine's own STRICT_PACK group of two
+    half-CPU bundles, the engine actor on bundle 0 and its worker actor on bundle 1."""
+    args = {k: v for k, v in ARGS.items() if k != "progress"}
+    engines = launch_engines(2, str(tiny_llama), {**args, "tensor_parallel_size": 2},
+                             num_cpus_per_engine=1)  # fmt: skip
+    try:
+        groups = engines.tensor_parallel_groups
+        assert len(groups) == 2 and engines.placement_group is None
+        free = ray.available_resources()
+        for group in groups:
+            assert group.bundle_specs == [{"CPU": 0.5}, {"CPU": 0.5}]
+            held = [free.get(f"CPU_group_{i}_{group.id.hex()}", 0) for i in range(2)]
+            assert held == [0, 0]  # engine and worker each on their bundle
+        assert len(tp_actors()) == 2
+        for engine in engines:
+            outs = ray.get([engine.generate.remote(p, GREEDY) for p in PROMPTS])
+            assert [o.outputs[0].token_ids for o in outs] == one_rank
+    finally:
+        engines.shutdown()
+    wait_until(lambda: not tp_actors(), "the worker actors are gone")
+    table = ray.util.placement_group_table()
+    assert all(table[g.id.hex()]["state"] == "REMOVED" for g in groups)
 
 
 async def _final(llm: AsyncLLM, prompt: str, request_id: str) -> list[int]:
