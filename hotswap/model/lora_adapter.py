@@ -36,10 +36,9 @@ _UNSUPPORTED = {
     "use_dora": False,
     "fan_in_fan_out": False,
     "lora_bias": False,
-    "rank_pattern": {},
-    "alpha_pattern": {},
     "modules_to_save": None,
 }
+_MAX_PATTERN_CHARS = 256  # a rank_pattern or alpha_pattern key (a regular expression)
 _ids = itertools.count(1)
 
 
@@ -49,10 +48,24 @@ class AdapterConfig:
     alpha: float
     use_rslora: bool
     target_modules: tuple[str, ...] | str  # PEFT's: names, "all-linear" or a regex
+    # PEFT's per-module r and lora_alpha: (pattern, value) in the config's order; a module
+    # takes the first pattern that matches the end of its name (peft's get_pattern_key)
+    rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
+
+    def rank_of(self, module: str) -> int:
+        """`module`'s r (`model.layers.0.self_attn.q_proj`)."""
+        return int(_pattern_value(self.rank_pattern, module, self.rank))
+
+    def scaling_of(self, module: str) -> float:
+        """What `module`'s B is multiplied by: its alpha over its r (or sqrt(r), rsLoRA)."""
+        rank, alpha = self.rank_of(module), _pattern_value(self.alpha_pattern, module, self.alpha)
+        return alpha / (math.sqrt(rank) if self.use_rslora else rank)
 
     @property
-    def scaling(self) -> float:
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+    def max_rank(self) -> int:
+        """The largest r of any module: the columns a step reads of the adapter's slot."""
+        return max([self.rank, *(rank for _, rank in self.rank_pattern)])
 
     @classmethod
     def parse(
@@ -81,8 +94,56 @@ class AdapterConfig:
                 raise InvalidArgument(field, f"{where}: {key} = {raw[key]!r} is not supported")
         if raw.get("bias", "none") != "none":
             raise InvalidArgument(field, f"{where}: bias {raw['bias']!r} is not supported")
+        ranks = _patterns(raw.get("rank_pattern"), f"{where}: rank_pattern", field,
+                          lambda v: _positive_rank(v, max_rank),
+                          f"an integer in [1, --max-lora-rank {max_rank}]")  # fmt: skip
+        alphas = _patterns(raw.get("alpha_pattern"), f"{where}: alpha_pattern", field, _number,
+                           "a number")  # fmt: skip
         return cls(rank, float(alpha), bool(raw.get("use_rslora", False)),
-                   _targets(raw.get("target_modules"), field, where))  # fmt: skip
+                   _targets(raw.get("target_modules"), field, where), ranks,
+                   alphas)  # fmt: skip
+
+
+def _pattern_value(patterns: tuple[tuple[str, Any], ...], module: str, default: Any) -> Any:
+    for pattern, value in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
+
+
+def _patterns(value: Any, where: str, field: str, check: Any,
+              wanted: str) -> tuple[tuple[str, Any], ...]:  # fmt: skip
+    """A rank_pattern or alpha_pattern: {regular expression: value}; `check` gives the
+    value or None if it is not `wanted` (refused)."""
+    if value in (None, {}):
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidArgument(field, f"{where}: must be a JSON object")
+    found = []
+    for key, item in value.items():
+        try:
+            if len(key) > _MAX_PATTERN_CHARS:
+                raise re.error("too long")
+            re.compile(key)
+        except re.error as e:
+            raise InvalidArgument(field, f"{where}: {key[:80]!r} is not a pattern ({e})") from None
+        checked = check(item)
+        if checked is None:
+            raise InvalidArgument(field, f"{where}: {key[:80]!r}: {item!r} is not {wanted}")
+        found.append((key, checked))
+    return tuple(found)
+
+
+def _positive_rank(value: Any, max_rank: int) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= max_rank:
+        return value
+    return None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def _targets(value: Any, field: str, where: str) -> tuple[str, ...] | str:
@@ -120,7 +181,8 @@ class AdapterWeights:
 
     @property
     def rank(self) -> int:
-        return self.config.rank
+        """Its largest r (a module's own may be smaller: PEFT's rank_pattern)."""
+        return self.config.max_rank
 
     def num_bytes(self) -> int:
         return sum(a.nbytes + b.nbytes for shards in self.layers.values()
@@ -171,8 +233,8 @@ def build_adapter(
             )
         targeted.add(projection)
         key, shape, shard = _target(model, module)
-        _check_pair(module, a, b, shape, config.rank)
-        b_scaled = (b.float() * config.scaling).to(dtype)
+        _check_pair(module, a, b, shape, config.rank_of(module))
+        b_scaled = (b.float() * config.scaling_of(module)).to(dtype)
         layers.setdefault(key, {})[shard] = (a.to(dtype).contiguous(), b_scaled.contiguous())
     _check_finite(pairs)
     if isinstance(config.target_modules, tuple):

@@ -79,6 +79,7 @@ def _expected_tensors(config: AdapterConfig, base: AdapterWeights | None,
             module = f"model.layers.{layer}.{_BLOCKS[target]}.{target}"
             # whole: a tensor-parallel rank's weight is a slice of it
             out_features, in_features = model.checkpoint_shape(f"{module}.weight")
-            tensors[f"{module}.lora_A.weight"] = torch.zeros(config.rank, in_features)
-            tensors[f"{module}.lora_B.weight"] = torch.zeros(out_features, config.rank)
+            rank = config.rank_of(module)
+            tensors[f"{module}.lora_A.weight"] = torch.zeros(rank, in_features)
+            tensors[f"{module}.lora_B.weight"] = torch.zeros(out_features, rank)
     return tensors

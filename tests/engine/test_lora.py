@@ -188,6 +188,15 @@ def _bad_adapters(root: Path, adapters, tiny_model_factory) -> dict[str, tuple[P
             "up_proj",
         ),  # fmt: skip
         "unsupported": (_edited(source, root / "dora", use_dora=True), "use_dora"),
+        "pattern rank": (
+            _edited(source, root / "prank", rank_pattern={"q_proj": 128}),
+            "rank_pattern",
+        ),
+        "pattern regex": (
+            _edited(source, root / "pregex", alpha_pattern={"q_(proj": 2}),
+            "alpha_pattern",
+        ),
+        "pattern shape": (_edited(source, root / "pshape", rank_pattern={"q_proj": 4}), "shape"),
         "shape": (write_peft_adapter(other, root / "shape", 8, ATTENTION), "shape"),
         "declared rank": (_edited(source, root / "declared", r=4), "shape"),
         "outside": (outside, "outside"),
@@ -195,6 +204,25 @@ def _bad_adapters(root: Path, adapters, tiny_model_factory) -> dict[str, tuple[P
         "no config": (missing, "adapter_config.json"),
         "nan": (nan, "non-finite"),
     }
+
+
+def test_rank_and_alpha_patterns_equal_peft(llm: LLM, tiny_llama: Path, tmp_path: Path) -> None:
+    """peft's per-module r and lora_alpha (the first pattern matching the end of a module's
+    name), as peft itself writes and applies them."""
+    path = write_peft_adapter(
+        tiny_llama, tmp_path / "patterns", 8, ATTENTION + MLP, seed=7,
+        rank_pattern={"q_proj": 4, r"layers\.1\.mlp\.down_proj": 16},
+        alpha_pattern={"v_proj": 64, r"layers\.0\..*o_proj": 2},
+    )  # fmt: skip
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert config["rank_pattern"] and config["alpha_pattern"]  # peft wrote them
+    completion = run(llm, LoRARequest("patterns", 9, str(path))).outputs[0]
+    expected = reference_logprobs(peft_reference(tiny_llama, path), PROMPT, completion.token_ids)
+    got = torch.tensor(sampled_logprobs(completion))
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    listed = {a["lora_name"]: a for a in llm.list_lora_adapters()}
+    assert listed["patterns"]["rank"] == 16  # its largest r
+    llm.unload_lora_adapter("patterns")
 
 
 def test_bad_adapters_are_refused_naming_the_field_and_change_nothing(

@@ -132,6 +132,7 @@ def write_peft_adapter(
     seed: int = 0,
     alpha: float | None = None,
     use_rslora: bool = False,
+    **patterns: dict,  # peft's rank_pattern, alpha_pattern
 ) -> Path:
     """A random, non-zero LoRA adapter for the model in `model_dir`, written by peft
     itself (adapter_config.json + adapter_model.safetensors)."""
@@ -147,6 +148,7 @@ def write_peft_adapter(
         use_rslora=use_rslora,
         init_lora_weights=False,  # random A and B: the adapter changes the outputs
         lora_dropout=0.0,
+        **patterns,
     )
     peft_model = peft.get_peft_model(model, config)
     with torch.no_grad():  # peft's random init is small; make the adapter matter
