@@ -37,6 +37,8 @@ _UNSUPPORTED = {
     "fan_in_fan_out": False,
     "lora_bias": False,
     "modules_to_save": None,
+    # peft's adapters on stacked parameters: a mixture of experts' routed experts
+    "target_parameters": None,
 }
 _MAX_PATTERN_CHARS = 256  # a rank_pattern or alpha_pattern key (a regular expression)
 _ids = itertools.count(1)

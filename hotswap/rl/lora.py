@@ -23,7 +23,7 @@ from hotswap.weight_transfer.trainer import TrainerWeightTransferEngine
 # adapter_config.json keys the engine reads (the rest are training-only settings)
 _CONFIG_KEYS = ("peft_type", "r", "lora_alpha", "use_rslora", "target_modules", "bias",
                 "use_dora", "fan_in_fan_out", "modules_to_save", "rank_pattern",
-                "alpha_pattern")  # fmt: skip
+                "alpha_pattern", "target_parameters")  # fmt: skip
 
 
 def adapter_tensors(

@@ -188,6 +188,10 @@ def _bad_adapters(root: Path, adapters, tiny_model_factory) -> dict[str, tuple[P
             "up_proj",
         ),  # fmt: skip
         "unsupported": (_edited(source, root / "dora", use_dora=True), "use_dora"),
+        "experts": (
+            _edited(source, root / "experts", target_parameters=["mlp.experts.down_proj"]),
+            "target_parameters",
+        ),
         "pattern rank": (
             _edited(source, root / "prank", rank_pattern={"q_proj": 128}),
             "rank_pattern",
