@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hotswap.engine.rpc import RPC_CALL, make_extension, run_everywhere
 from hotswap.model.parallel import GROUP_TIMEOUT, TensorParallelError, TPGroup
 from hotswap.model.runner import ModelRunner
-from hotswap.model.shadow import SHADOW_WRITE
+from hotswap.model.shadow import DROP_RECEIVED, SHADOW_WRITE
 from hotswap.model.tp_workers import STOP, connect_channels
 from hotswap.weight_transfer.m2n import M2NRank, worker_call
 
@@ -73,6 +73,8 @@ def _transfers(runner: ModelRunner, channel: TPGroup) -> None:
             try:
                 if call[0] == SHADOW_WRITE:  # the double buffer (model/shadow.py)
                     runner.receive_shadow_writes(*call[1])
+                elif call[0] == DROP_RECEIVED:
+                    runner.forget_received()
                 else:
                     rank = worker_call(rank, runner, runner.device, call)
             except Exception as e:  # noqa: BLE001 - rank 0 raises it for the round

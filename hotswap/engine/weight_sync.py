@@ -342,10 +342,8 @@ class WeightSync:
 
     def _discard(self, round_: Round) -> None:
         """A round that will not be committed: what it wrote into the shadow is stale."""
-        if round_.in_shadow and self.shadow is not None:
-            self.writer.discard_shadow()
-        if any(item is STAGED for item in round_.staged.values()):
-            self.writer.commit_stage([])  # drops every rank's received parts
+        if round_.in_shadow or any(item is STAGED for item in round_.staged.values()):
+            self.writer.drop_received()  # every rank's shadow writes and m2n parts
 
     def covers_model(self, staged: Iterable[str], is_checkpoint_format: bool) -> bool:
         return not self.targets.missing(set(staged), is_checkpoint_format)

@@ -60,13 +60,14 @@ class RankWeights:
     @on_every_rank
     @torch.no_grad()
     def commit_stage(self, names: list[str]) -> None:
-        """Every rank writes its received parts of `names` into its model."""
+        """Every rank writes its received parts of `names` into its model (a dropped
+        round's are forgotten by `drop_received`, model/shadow.py)."""
         for name in names:
             staged = self.rank_stage.pop(name, None)
             target = self.model.checkpoint_view(name)
             if staged is not None and target is not None:
                 target[1].copy_(staged)
-        self.rank_stage.clear()  # `names` empty: the round was dropped
+        self.rank_stage.clear()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -4,9 +4,10 @@ used), on every tensor-parallel rank: each rank keeps a shadow of its own share.
 Rank 0 receives a round's tensors whole and writes its part into its shadow, then sends
 the chunk over the ranks' transfer channel (tp_workers.py), where each rank's transfer
 thread writes its part into its own shadow while its steps run; rank 0 raises the first
-rank's error before the chunk counts as received. The commit's swap, a dropped round and
-sleep's release run on every rank in step order (`on_every_rank`), so every rank switches
-between the same two steps.
+rank's error before the chunk counts as received. The commit's swap and sleep's release
+run on every rank in step order (`on_every_rank`), so every rank switches between the
+same two steps; a dropped round is forgotten over the transfer channel, since a round
+fails on the thread that receives it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hotswap.model.tp_workers import on_every_rank
 # (parameter name, the live view a checkpoint tensor is written to): where a write lands.
 Target = tuple[str, torch.Tensor]
 SHADOW_WRITE = "shadow_write"  # the transfer-channel call `forward_to_shadows` sends
+DROP_RECEIVED = "drop_received"  # and the one `drop_received` sends
 
 
 class DeltaPart(NamedTuple):
@@ -107,13 +109,14 @@ class ShadowWeights:
 
 class RankShadow:
     """Mixed into ModelRunner (which provides `model`, `tp`, `transfer_channel`,
-    `tell_workers` and `gather_errors`): this rank's shadow, and the calls that write and
-    switch it on every rank."""
+    `rank_stage`, `tell_workers` and `gather_errors`): this rank's shadow, and the calls
+    that write, switch and drop it on every rank."""
 
     model: nn.Module
     tp: TPGroup
     transfer_channel: TPGroup
     shadow: ShadowWeights | None
+    rank_stage: dict[str, torch.Tensor]  # an m2n round's received parts (rank_weights.py)
     tell_workers: Callable[[tuple[str, tuple]], None]
     gather_errors: Callable[[str | None], list[str | None]]
 
@@ -178,9 +181,20 @@ class RankShadow:
         """The commit: every rank's shadow becomes its live weights (between two steps)."""
         self.rank_shadow().swap()
 
-    @on_every_rank
-    def discard_shadow(self) -> None:
-        """A round that will not be committed: what it wrote is stale on every rank."""
+    def drop_received(self) -> None:
+        """A round that will not be committed: every rank forgets what it received of it
+        (its shadow's writes, its m2n parts). Over the transfer channel, not the steps':
+        a round fails on the thread that receives it, beside the steps."""
+        self.tell_workers((DROP_RECEIVED, ()))
+        self.forget_received()
+        for rank, error in enumerate(self.gather_errors(None)):
+            if error is not None:
+                raise RuntimeError(f"dropping a round: tensor-parallel rank {rank} failed: "
+                                   f"{error}")  # fmt: skip
+
+    def forget_received(self) -> None:
+        """This rank's part of `drop_received` (ranks 1..: on their transfer thread)."""
+        self.rank_stage.clear()
         if self.shadow is not None:
             self.shadow.discard_round()
 

@@ -31,11 +31,20 @@ CONFIG = '{"backend": "gloo", "in_flight": true, "double_buffer": true}'
 MAX_TOKENS = 480  # the tiny model's 512 positions, less the prompts
 
 
+ARGS = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control",
+        "--weight-transfer-config", CONFIG)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server(v1_dir):  # noqa: ANN201
-    args = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control",
-            "--num-threads", "1", "--weight-transfer-config", CONFIG)  # fmt: skip
-    with RemoteServer(v1_dir, *args) as srv:
+    with RemoteServer(v1_dir, *ARGS, "--num-threads", "1") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tp_server(v1_dir):  # noqa: ANN201
+    """Two tensor-parallel ranks, each with its shadow (on one thread each)."""
+    with RemoteServer(v1_dir, *ARGS, "--num-threads", "2", "-tp", "2") as srv:
         yield srv
 
 
@@ -93,11 +102,20 @@ def round_open(url: str) -> bool:
     return 'hotswap:weight_round_open{model_name="tiny"} 1.0' in httpx.get(f"{url}/metrics").text
 
 
-def test_a_trainer_killed_mid_round_while_generation_runs(server, v1_trainer, v2_dir) -> None:
+@pytest.mark.parametrize("ranks", ["one rank", "two ranks"])
+def test_a_trainer_killed_mid_round_while_generation_runs(
+    request,
+    ranks: str,
+    v1_trainer,
+    v2_dir,  # noqa: ANN001
+) -> None:
     """A trainer opens a round, holds it for a second, sends a little and dies: tokens
     keep coming all along (in flight: the round never stops the steps), the round is
-    aborted (the weights stay), and the next trainer's round succeeds."""
+    aborted (the weights stay: on two ranks, every rank forgets its shadow's writes from
+    the receiving thread, beside the steps), and the next trainer's round succeeds."""
     from tests.weight_transfer.test_http import KILLED_TRAINER
+
+    server = request.getfixturevalue("server" if ranks == "one rank" else "tp_server")
 
     script = KILLED_TRAINER.replace(
         "client.start_weight_update()\n",
