@@ -8,6 +8,11 @@ safetensors, every linear layer targeted) written for the model at the given ran
 Requests are greedy with EOS ignored, so every run produces the same number of tokens.
 
     python benchmarks/lora.py [--model DIR] [--rank 16] [--num-requests 64] [--repeats 2]
+                              [--tensor-parallel-size 1]
+
+With `--tensor-parallel-size 2` both engines run on two ranks (a model whose heads split:
+the default model's 9 do not; benchmarks/tp.py writes one), each rank holding its part of
+every adapter.
 """
 
 from __future__ import annotations
@@ -141,6 +146,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--with-vllm", action="store_true", help="also vLLM's CPU build")
     parser.add_argument("--vllm-venv", default=str(Path(__file__).parent.parent / ".venv-vllm"))
     parser.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
@@ -156,7 +162,8 @@ def main() -> None:
     model_dir = resolve_model_path(args.model)
     root = Path(tempfile.mkdtemp(prefix="hotswap-lora-bench-", dir=model_dir.parent))
     adapters = [write_adapter(model_dir, root / f"a{i}", args.rank, i) for i in range(4)]
-    kwargs = dict(dtype=args.dtype, progress=False, **LIMITS)
+    kwargs = dict(dtype=args.dtype, progress=False, tensor_parallel_size=args.tensor_parallel_size,
+                  **LIMITS)  # fmt: skip
     engines = {"base": LLM(str(model_dir), **kwargs),
                "lora": LLM(str(model_dir), enable_lora=True, max_loras=4,
                            max_lora_rank=args.rank, **kwargs)}  # fmt: skip
@@ -164,11 +171,13 @@ def main() -> None:
     requests = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
     best = measure(runs(engines, requests, len(prompts), "hotswap"), prompts, args.max_tokens,
                    args.repeats)  # fmt: skip
-    del engines
+    for engine in engines.values():
+        engine.shutdown()
     if args.with_vllm:
         best.update(run_vllm(args, model_dir, adapters))
     print(f"\n{args.num_requests} requests x (128 prompt + {args.max_tokens} output tokens), "
-          f"rank {args.rank}, {args.dtype}, best of {args.repeats}")  # fmt: skip
+          f"rank {args.rank}, {args.dtype}, TP={args.tensor_parallel_size}, best of "
+          f"{args.repeats}")  # fmt: skip
     print("| workload | tok/s | vs the same engine's base |\n|---|---|---|")
     for name, value in best.items():
         reference = best[name.split(":")[0] + ": base engine (no --enable-lora)"]
