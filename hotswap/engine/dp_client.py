@@ -84,7 +84,7 @@ class DPEngineClient(EngineCoreClient):
         # Whether core i joins a broadcast group as worker rank_offset + i (m2n's ranks
         # place themselves by their core's data_parallel_rank instead).
         config = WeightTransferConfig.parse(engine_args.weight_transfer_config)
-        self.shifts = config is None or get_backend(config.backend).shift_per_core
+        self.shifts = config is None or not get_backend(config.backend).every_rank_receives
         self.dead = False  # a rank died: the front end has failed everything already
 
     def start(self, on_outputs: OutputHandler) -> None:

@@ -84,12 +84,8 @@ class AdapterConfig:
             raise InvalidArgument(field, f"{where}: r must be a positive integer")
         if rank > max_rank:
             raise InvalidArgument(field, f"{where}: r = {rank} exceeds --max-lora-rank {max_rank}")
-        alpha = raw.get("lora_alpha", 8)
-        if (
-            not isinstance(alpha, (int, float))
-            or isinstance(alpha, bool)
-            or not (math.isfinite(alpha))
-        ):
+        alpha = _number(raw.get("lora_alpha", 8))
+        if alpha is None:
             raise InvalidArgument(field, f"{where}: lora_alpha must be a number")
         for key, default in _UNSUPPORTED.items():
             if raw.get(key, default) not in (default, None, [], {}, False):
@@ -101,7 +97,7 @@ class AdapterConfig:
                           f"an integer in [1, --max-lora-rank {max_rank}]")  # fmt: skip
         alphas = _patterns(raw.get("alpha_pattern"), f"{where}: alpha_pattern", field, _number,
                            "a number")  # fmt: skip
-        return cls(rank, float(alpha), bool(raw.get("use_rslora", False)),
+        return cls(rank, alpha, bool(raw.get("use_rslora", False)),
                    _targets(raw.get("target_modules"), field, where), ranks,
                    alphas)  # fmt: skip
 

@@ -37,9 +37,10 @@ class WeightTransferEngine(ABC):
 
     backend: ClassVar[str]
     needs_init: ClassVar[bool] = True  # False: usable without init_weight_transfer_engine
-    # Data-parallel core i receives as worker rank_offset + i (`shift_rank_offset`); False:
-    # its ranks place themselves in the group by the core's data_parallel_rank (m2n).
-    shift_per_core: ClassVar[bool] = True
+    # Whether every tensor-parallel rank receives its own part (m2n), each placing itself
+    # in the group by its engine rank (data_parallel_rank x tp + its rank); else rank 0
+    # receives for its core, and data-parallel core i is worker rank_offset + i.
+    every_rank_receives: ClassVar[bool] = False
     sends_deltas: ClassVar[bool] = False  # True: yields `Delta`s (sparse.py), not tensors
     # What init_weight_transfer_engine and update_weights carry (infos.py): the engine
     # parses with them, and so does a front end that knows the backend (make_args).
@@ -109,7 +110,7 @@ class WeightTransferEngine(ABC):
         """Receiving workers behind an engine core of `tensor_parallel_size` ranks, before
         any init (what a trainer sizes its group with): rank 0 alone, unless every rank
         receives itself."""
-        return 1
+        return tensor_parallel_size if cls.every_rank_receives else 1
 
 
 # backend name -> its engine class, filled by `register_backend` as each backend module is

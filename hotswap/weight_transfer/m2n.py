@@ -155,7 +155,7 @@ class M2NEngine(WeightTransferEngine):
     backend: ClassVar[str] = "m2n"
     # rank_offset is the number of trainer ranks: every engine rank, of every core, is
     # placed after them by its own engine_rank (RankTransfer)
-    shift_per_core: ClassVar[bool] = False
+    every_rank_receives: ClassVar[bool] = True
     init_info_cls: ClassVar[type[Info]] = M2NInitInfo
     update_info_cls: ClassVar[type[Info]] = M2NUpdateInfo
 
@@ -229,7 +229,3 @@ class M2NEngine(WeightTransferEngine):
     def world_size(self) -> int:
         """Every tensor-parallel rank of this engine core receives."""
         return self.ranks.tp_size if self.ranks is not None else 1
-
-    @classmethod
-    def receivers(cls, tensor_parallel_size: int) -> int:
-        return tensor_parallel_size

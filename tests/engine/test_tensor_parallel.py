@@ -152,8 +152,14 @@ def test_a_model_that_cannot_split_is_refused_and_leaves_no_worker(tiny_model_fa
     """Three key/value heads: two ranks can neither split nor replicate them evenly."""
     path = tiny_model_factory("llama", hidden_size=96, num_attention_heads=6,
                               num_key_value_heads=3)  # fmt: skip
+    refused_leaving_no_worker(path, "divide the model's num_key_value_heads")
+
+
+def refused_leaving_no_worker(path, match: str) -> None:  # noqa: ANN001
+    """Two ranks of the model in `path` are refused at start naming tensor_parallel_size
+    (the message matching `match`), and no worker process outlives the refusal."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(InvalidArgument, match="divide the model's num_key_value_heads") as refused:
+    with pytest.raises(InvalidArgument, match=match) as refused:
         make(path, 2)
     assert refused.value.field == "tensor_parallel_size"
     after = {p.pid for p in psutil.Process().children(recursive=True) if p.is_running()}
