@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from hotswap import LLM, AsyncLLM, EngineDeadError, SamplingParams
+from hotswap.errors import InvalidArgument
 from tests.helpers.waiting import until, wait_until
 
 ray = pytest.importorskip("ray")
@@ -98,6 +99,24 @@ def test_launched_engines_get_a_group_each_with_a_bundle_per_rank(local_ray, tin
     wait_until(lambda: not tp_actors(), "the worker actors are gone")
     table = ray.util.placement_group_table()
     assert all(table[g.id.hex()]["state"] == "REMOVED" for g in groups)
+
+
+@pytest.mark.parametrize(
+    "args,placement,field",
+    [({"tensor_parallel_size": 0}, "PACK", "tensor_parallel_size"),
+     ({"tensor_parallel_size": "2"}, "PACK", "tensor_parallel_size"),
+     ({"tensor_parallel_size": 2}, "SPREAD", "placement")],
+)  # fmt: skip
+def test_launch_engines_refuses_a_bad_tensor_parallel_layout(
+    tiny_llama,
+    args: dict,
+    placement: str,
+    field: str,  # noqa: ANN001
+) -> None:
+    """Refused before anything is placed or started (no Ray is needed to refuse)."""
+    with pytest.raises(InvalidArgument) as refused:
+        launch_engines(2, str(tiny_llama), args, placement=placement)
+    assert refused.value.field == field
 
 
 async def _final(llm: AsyncLLM, prompt: str, request_id: str) -> list[int]:
