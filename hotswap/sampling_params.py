@@ -26,6 +26,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # Objects allow only their listed properties even on a server whose
+    # --structured-outputs-config backend is "guidance" (the default backend already does).
     disable_additional_properties: bool = False
     # The constraint applies once the output ends with these token ids (a reasoning
     # parser's end of thinking: as vLLM, only the answer after the thinking is

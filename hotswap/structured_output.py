@@ -2,6 +2,16 @@
 compiled by llguidance into a matcher that says, before every step, which tokens may come
 next, as one bitmask row per constrained request.
 
+JSON schemas are read as vLLM reads them by default: its "auto" backend compiles them with
+xgrammar, whose strict mode generates only what a schema lists (an object schema that
+lists properties and says nothing of `additionalProperties` allows no other key, a tuple
+no item after its `prefixItems`). llguidance follows JSON Schema's open default, so
+`grammar_text` first declares what each schema leaves unsaid as not allowed
+(`declare_unlisted`). `--structured-outputs-config '{"backend": "guidance"}'` asks for
+vLLM's `guidance` backend instead, which keeps JSON Schema's default (unless
+`disable_additional_properties`); a schema that says `additionalProperties: true` allows
+more keys under either.
+
 Where each part runs:
 - `grammar_text(params)`: the constraint as llguidance grammar text, and `check_grammar`
   to refuse a bad one (400 naming the field) before it reaches the engine; both need no
@@ -42,7 +52,10 @@ BACKENDS = ("auto", "guidance")  # llguidance is hotswap's one backend (vLLM: "g
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    """vLLM's --structured-outputs-config: server-wide defaults for every constraint."""
+    """vLLM's --structured-outputs-config: server-wide defaults for every constraint.
+    `backend`: "auto" (vLLM's default: schemas allow only what they list) or "guidance"
+    (vLLM's llguidance backend: JSON Schema's open objects, unless
+    `disable_additional_properties`)."""
 
     backend: str = "auto"
     disable_any_whitespace: bool = False
@@ -78,20 +91,20 @@ class StructuredOutputsConfig:
             return
         params.disable_any_whitespace |= self.disable_any_whitespace
         params.disable_additional_properties |= self.disable_additional_properties
+        open_objects = self.backend == "guidance" and not params.disable_additional_properties
+        if open_objects and params.json is not None:
+            params.json = _declared(params.json, allowed=True)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The constraint as llguidance grammar text (vLLM's llguidance mapping: JSON with
-    flexible whitespace unless `disable_any_whitespace`)."""
+    flexible whitespace unless `disable_any_whitespace`; a schema allows only what it
+    lists unless it says otherwise, as under vLLM's default backend)."""
     whitespace = {"whitespace_flexible": not params.disable_any_whitespace}
     kind = params.kind
     try:
         if kind == "json":
-            schema = params.json
-            if isinstance(schema, str):
-                schema = json.loads(schema)
-            if params.disable_additional_properties:
-                schema = _closed_objects(schema)
+            schema = declare_unlisted(_parsed(params.json), allowed=False)
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=whitespace)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(
@@ -117,24 +130,58 @@ def check_grammar(params: StructuredOutputsParams) -> str:
     return text
 
 
-def _closed_objects(schema: object) -> object:
-    """vLLM's disable_additional_properties: every (sub)schema that lists `properties` or
-    `patternProperties` and says nothing of additionalProperties gets `false` (literal
-    values under `enum`, `const` and `default` are left as they are)."""
+# Keywords whose value maps names to subschemas, and keywords whose value is a subschema
+# or a list of them (2020-12, and draft 7's `definitions`, `dependencies`, tuple `items`).
+# Nothing else is walked: `enum`, `const`, `default`, `examples` hold values, not schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                "dependentSchemas", "dependencies")  # fmt: skip
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items",
+               "prefixItems", "additionalItems", "unevaluatedItems", "contains", "not", "if",
+               "then", "else", "allOf", "anyOf", "oneOf", "contentSchema")  # fmt: skip
+
+
+def declare_unlisted(schema: object, allowed: bool) -> object:
+    """`schema` (not modified) with what it leaves unsaid about unlisted members said, at
+    every level: a (sub)schema that lists `properties` or `patternProperties` and
+    declares neither `additionalProperties` nor `unevaluatedProperties` gets
+    `additionalProperties: allowed`; a tuple (`prefixItems`, or draft 7's list of
+    `items`) that declares nothing of the items after it gets `items` (draft 7:
+    `additionalItems`) `allowed`. False is xgrammar's strict mode, vLLM's default; True
+    is JSON Schema's own default, vLLM's `guidance` backend's."""
     if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+        return [declare_unlisted(item, allowed) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {
-        k: v if k in ("enum", "const", "default", "examples") else _closed_objects(v)
-        for k, v in schema.items()
-    }
-    lists_properties = any(
-        isinstance(out.get(k), dict) for k in ("properties", "patternProperties")
-    )
-    if lists_properties and "additionalProperties" not in out:
-        out["additionalProperties"] = False
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: declare_unlisted(sub, allowed) for name, sub in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = declare_unlisted(out[key], allowed)
+    lists = any(isinstance(out.get(key), dict) for key in ("properties", "patternProperties"))
+    if lists and not {"additionalProperties", "unevaluatedProperties"} & out.keys():
+        out["additionalProperties"] = allowed
+    if "unevaluatedItems" not in out:
+        if isinstance(out.get("prefixItems"), list) and "items" not in out:
+            out["items"] = allowed
+        elif isinstance(out.get("items"), list) and "additionalItems" not in out:
+            out["additionalItems"] = allowed
     return out
+
+
+def _parsed(schema: str | dict) -> object:
+    return json.loads(schema) if isinstance(schema, str) else schema
+
+
+def _declared(schema: str | dict, allowed: bool) -> str | dict:
+    """`declare_unlisted` on a request's schema; JSON text that does not parse (or is not
+    an object) is left as it is, for `grammar_text` to refuse naming the field."""
+    try:
+        declared = declare_unlisted(_parsed(schema), allowed)
+    except ValueError:
+        return schema
+    return declared if isinstance(declared, dict) else schema
 
 
 class GrammarMatcher:

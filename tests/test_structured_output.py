@@ -4,6 +4,7 @@ the same tokens), and outputs that parse, validate and match."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
@@ -14,7 +15,13 @@ import torch
 from hotswap import LLM, SamplingParams
 from hotswap.errors import InvalidArgument
 from hotswap.sampling_params import StructuredOutputsParams
-from hotswap.structured_output import GrammarCompiler, check_grammar, grammar_text
+from hotswap.structured_output import (
+    GrammarCompiler,
+    StructuredOutputsConfig,
+    check_grammar,
+    declare_unlisted,
+    grammar_text,
+)
 
 SCHEMA = {
     "type": "object",
@@ -186,3 +193,80 @@ def test_a_constraint_waits_for_its_start_marker(llm) -> None:
     assert ids[:2] == marker
     assert re.fullmatch("[a-e]{3}", llm.tokenizer.decode(ids[2:])), llm.tokenizer.decode(ids)
     assert out.outputs[0].finish_reason == "stop"
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+
+def test_declare_unlisted_says_what_every_level_leaves_unsaid() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+            "typed": {"properties": {}, "additionalProperties": {"type": "string"}},
+            "later": {"properties": {}, "unevaluatedProperties": True},
+            "pair": {"type": "array", "prefixItems": [{"type": "integer"}]},
+            "old_pair": {"type": "array", "items": [{"type": "integer"}]},
+            "points": {"type": "array", "items": {"$ref": "#/$defs/point"}},
+            "literal": {"const": {"properties": {}}, "default": {"properties": {}}},
+            "either": {"anyOf": [{"properties": {"a": {}}}, {"type": "string"}]},
+            "any": {"type": "object"},
+        },
+        "$defs": {"point": {"properties": {"x": {}}, "required": ["x"]}},
+    }
+    before = copy.deepcopy(schema)
+    closed = declare_unlisted(schema, allowed=False)
+    assert schema == before  # the caller's schema is not modified
+    inner = closed["properties"]
+    assert closed["additionalProperties"] is False and set(inner) == set(schema["properties"])
+    assert inner["properties"]["additionalProperties"] is False  # a property, not a keyword
+    assert inner["open"] == before["properties"]["open"]  # what a schema says stays
+    assert inner["typed"] == before["properties"]["typed"]
+    assert inner["later"] == before["properties"]["later"]
+    assert inner["pair"]["items"] is False and inner["old_pair"]["additionalItems"] is False
+    assert inner["points"] == before["properties"]["points"]  # its items are not a tuple
+    assert inner["literal"] == before["properties"]["literal"]  # values, not schemas
+    assert inner["either"]["anyOf"] == [{"properties": {"a": {}}, "additionalProperties": False},
+                                        {"type": "string"}]  # fmt: skip
+    assert inner["any"] == {"type": "object"}  # lists nothing: any object (as xgrammar)
+    assert closed["$defs"]["point"]["additionalProperties"] is False
+    opened = declare_unlisted(schema, allowed=True)
+    assert opened["additionalProperties"] is True and opened["properties"]["pair"]["items"] is True
+    assert declare_unlisted(True, allowed=False) is True
+
+
+def accepts(compiler: GrammarCompiler, llm, params: StructuredOutputsParams, text: str) -> bool:  # noqa: ANN001
+    """Whether the constraint's matcher takes `text`'s tokens and ends there complete."""
+    matcher = compiler.matcher(params)
+    tokens = llm.tokenizer.encode(text, add_special_tokens=False)
+    return all(matcher.accept(t) for t in tokens) and matcher.matcher.is_accepting()
+
+
+def test_schemas_allow_only_what_they_list_unless_they_or_the_server_say_more(
+    llm, tiny_llama
+) -> None:
+    compiler = GrammarCompiler.from_tokenizer_dir(tiny_llama, 384, llm.tokenizer.eos_token_id)
+    exact, extra = '{"answer": 4}', '{"answer": 4, "note": "x"}'
+
+    def takes(text: str, server: str | None = None, **constraint) -> bool:  # noqa: ANN003
+        params = StructuredOutputsParams(**constraint)
+        StructuredOutputsConfig.from_json(server).apply(params)
+        return accepts(compiler, llm, params, text)
+
+    for schema in (ANSWER, json.dumps(ANSWER)):  # vLLM's default (xgrammar's strict mode)
+        assert takes(exact, json=schema) and not takes(extra, json=schema)
+    assert takes(extra, json={**ANSWER, "additionalProperties": True})
+    assert takes("[1]", json={"prefixItems": [{"type": "integer"}]})
+    assert not takes("[1, 2]", json={"prefixItems": [{"type": "integer"}]})
+    assert takes('{"a": [1, {"b": 2}]}', json_object=True)
+    guidance = '{"backend": "guidance"}'  # vLLM's llguidance backend: JSON Schema's default
+    assert takes(extra, guidance, json=ANSWER) and takes(extra, guidance, json=json.dumps(ANSWER))
+    assert takes("[1, 2]", guidance, json={"prefixItems": [{"type": "integer"}]})
+    assert not takes(extra, guidance, json=ANSWER, disable_additional_properties=True)
+    closed = '{"backend": "guidance", "disable_additional_properties": true}'
+    assert not takes(extra, closed, json=ANSWER)
+    broken = StructuredOutputsParams(json="{oops")
+    StructuredOutputsConfig.from_json(guidance).apply(broken)
+    with pytest.raises(InvalidArgument, match="json"):
+        grammar_text(broken)

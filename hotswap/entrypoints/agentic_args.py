@@ -29,7 +29,9 @@ def add_agentic_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="JSON",
         help="defaults for every constraint, e.g. '{\"disable_any_whitespace\": true}' "
-        "(vLLM's flag; backend: auto or guidance, hotswap uses llguidance)",
+        "(vLLM's flag, compiled by llguidance). backend: auto (vLLM's default: a JSON "
+        "schema allows only the properties it lists) or guidance (JSON Schema's open "
+        "objects, unless disable_additional_properties)",
     )
     group.add_argument(
         "--reasoning-parser",
