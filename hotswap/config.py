@@ -15,6 +15,9 @@ from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.config import WeightTransferConfig
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# vLLM's --attention-backend names hotswap runs (model/kernel_choice.py): its Triton
+# kernels, its CPU kernels, torch operators.
+ATTENTION_BACKENDS = ("TRITON_ATTN", "CPU_ATTN", "TORCH_SDPA")
 
 
 def check_logprobs_mode(mode: object) -> str:
@@ -137,6 +140,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # hotswap's CPU kernels (paged decode attention, bf16 GEMV); off: torch operators only.
     cpu_kernels: bool = True
+    # vLLM's --attention-backend (ATTENTION_BACKENDS); None: the device's default
+    attention_backend: str | None = None
     # oneDNN-packed copies of the bf16 linear weights for batches above the GEMV's rows.
     prepack_weights: bool = True
     default_sampling: dict[str, Any] = field(default_factory=dict)  # generation_config

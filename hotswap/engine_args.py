@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hotswap.config import (
+    ATTENTION_BACKENDS,
     DEFAULT_KV_CACHE_BYTES,
     LOGPROBS_MODES,
     CacheConfig,
@@ -137,6 +138,12 @@ class EngineArgs:
         "hotswap's CPU kernels (paged decode attention, bf16 GEMV; built once per "
         "machine); --no-cpu-kernels runs on torch operators only",
     )
+    attention_backend: str | None = arg(
+        None,
+        "vLLM's flag: TRITON_ATTN, hotswap's Triton kernels (the default on CUDA); "
+        "CPU_ATTN, its CPU kernels (the default on the CPU); TORCH_SDPA, torch operators",
+        choices=ATTENTION_BACKENDS,
+    )
     # A packed copy costs one more copy of those weights in memory, remade in the first
     # step after each weight commit (~0.1 s for the default model); 15-25% faster GEMMs.
     prepack_weights: bool = arg(
@@ -241,6 +248,7 @@ class EngineArgs:
             worker_extension_cls=check_class_path(self.worker_extension_cls),
             enforce_eager=bool(self.enforce_eager),
             cpu_kernels=bool(self.cpu_kernels),
+            attention_backend=self._attention_backend(),
             prepack_weights=bool(self.prepack_weights),
             default_sampling=default_sampling(
                 self.generation_config, model_dir, self.override_generation_config
@@ -248,6 +256,12 @@ class EngineArgs:
             lora=self._lora_config(),
             return_routed_experts=bool(self.enable_return_routed_experts),
         )
+
+    def _attention_backend(self) -> str | None:
+        if self.attention_backend is None:
+            return None
+        name = str(self.attention_backend).upper()  # vLLM's enum names, any case
+        return check_choice("attention_backend", name, ATTENTION_BACKENDS)
 
     def _weight_transfer_config(self) -> WeightTransferConfig | None:
         config = WeightTransferConfig.parse(self.weight_transfer_config)

@@ -11,6 +11,13 @@ from pathlib import Path
 # tests start inherit it; tests/model/test_compiled.py turns compilation back on.
 os.environ["TORCH_COMPILE_DISABLE"] = "1"
 
+import torch  # noqa: E402 - importing torch alone does not import Triton
+
+# Without a GPU, the Triton kernels (hotswap/model/cuda) run under Triton's interpreter,
+# which Triton reads when it is first imported: set before torch._dynamo imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest  # noqa: E402
 import torch._dynamo  # noqa: E402
 

@@ -9,7 +9,7 @@ table holds. Backends share the metadata; a CUDA backend can replace the torch o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,9 @@ class DecodeBatch:
     rows: slice  # their rows in the flattened batch (decode rows come first)
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with block 0
     context_lens: torch.Tensor  # [B] int64
+    # context ranges a split-K kernel divides each row into (the Triton backend's: a host
+    # integer fixed per batch size, so that a CUDA graph keeps it)
+    num_splits: int = 1
 
 
 @dataclass
@@ -71,7 +74,9 @@ class AttentionMetadata:
     decode_sequences: list[SequenceSlice]
     decode_groups: list[DecodeGroup]
     block_size: int
-    decode_batch: DecodeBatch | None = None  # built only for PagedKernelAttention
+    decode_batch: DecodeBatch | None = None  # for the backends that read it in place
+    # the multi-query sequences as the Triton backend reads them (cuda/backend.py)
+    prefill_batch: Any = None
 
 
 class AttentionBackend(Protocol):

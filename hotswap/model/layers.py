@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hotswap.model.kernels import CpuKernels
+from hotswap.model.kernels import LayerKernels
 from hotswap.model.packed import PackedWeight
 
 # Batch-invariant mode runs every matmul on fixed-shape row tiles: CPU GEMM kernels pick
@@ -33,7 +33,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 MatVec = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def use_kernels(model: nn.Module, kernels: CpuKernels | None) -> None:
+def use_kernels(model: nn.Module, kernels: LayerKernels | None) -> None:
     """Route the model's single-row products, norms, RoPE and MLP activations through
     `kernels` (None: back to torch operators)."""
     matvec = kernels.gemv if kernels is not None else None
@@ -119,7 +119,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype), False)
         self.eps = eps
-        self.kernels: CpuKernels | None = None  # set by the runner when its kernels apply
+        self.kernels: LayerKernels | None = None  # set by the runner when its kernels apply
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

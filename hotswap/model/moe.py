@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hotswap.model.kernels import CpuKernels
+from hotswap.model.kernels import LayerKernels
 from hotswap.model.layers import Linear, linear, silu_and_mul, tiled_linear
 from hotswap.model.parallel import TPGroup, even_split
 
@@ -95,7 +95,7 @@ class FusedExperts(nn.Module):
         )
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), False)
         self.invariant = invariant
-        self.kernels: CpuKernels | None = None  # GEMV and fused activation when set
+        self.kernels: LayerKernels | None = None  # GEMV and fused activation when set
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]), for each token t."""

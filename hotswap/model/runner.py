@@ -12,16 +12,17 @@ import torch
 
 from hotswap.config import EngineConfig
 from hotswap.errors import InvalidArgument
-from hotswap.model.attention import (
-    AttentionBackend,
-    BatchInvariantAttention,
-    CacheSpec,
-    TorchPagedAttention,
+from hotswap.model.attention import CacheSpec
+from hotswap.model.cuda.staging import Staging
+from hotswap.model.decode_paths import (
+    compile_decode,
+    compiled_logits,
+    decode_graphs,
+    graph_logits,
+    watched_tensors,
 )
-from hotswap.model.attention_kernel import PagedKernelAttention
-from hotswap.model.compiled import CompiledDecode, compilation_available
 from hotswap.model.host_memory import return_freed_memory, reuse_freed_memory
-from hotswap.model.kernels import CpuKernels
+from hotswap.model.kernel_choice import choose_kernels
 from hotswap.model.loader import build_model
 from hotswap.model.lora import LoRAPlan, ModelLoRA
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
@@ -100,30 +101,32 @@ class ModelRunner(RankWeights, RankShadow):
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
             reuse_freed_memory()  # step temporaries off the page-fault path (host_memory.py)
-        # Batch-invariant mode keeps its fixed-tile torch path: the kernels' results do not
-        # depend on the batch, but a token decoded would differ from the same token
-        # computed in a prefill chunk.
-        wants_kernels = (
-            config.cpu_kernels and not config.batch_invariant and self.device.type == "cpu"
-        )
-        self.kernels = CpuKernels.load(progress) if wants_kernels else None
-        self.backend = self._attention_backend()
+        kernels = choose_kernels(config, self.device, progress)
+        self.kernels, self.backend = kernels.cpu_kernels, kernels.backend
+        self.staging = kernels.staging  # the Triton backend's input uploads
         self.model = build_model(
             config.model, self.backend, config.batch_invariant, progress, self.device, self.tp
         )
-        self.model.use_kernels(self.kernels)
+        self.model.use_kernels(kernels.layer_kernels)
         self.lora = self._attach_lora()
         self.packed: list[PackedWeight] = self._prepack() if config.prepack_weights else []
         self.num_blocks = self._num_blocks()
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
         self.routed_experts = self._routed_experts_buffer()
-        self.compiled = self._compile_decode(progress)  # on the bound cache, still unused
+        # on the bound cache, still unused
+        self.compiled = compile_decode(config, self.model, self.kernels, self.tp.parallel, progress)
+        self.graphs = decode_graphs(config, self.model, self.staging, self.tp.parallel,
+                                    watched_tensors(self.model, lambda: self.kv_caches),
+                                    self.model.local_heads[1])  # fmt: skip
         # Each data-parallel rank draws its own noise for unseeded requests (the same seed
         # would make ranks sample identical "random" completions). The CPU generator keeps
         # 32 bits of a seed, so ranks are spread within them; rank 0 keeps the seed as is.
         rank_seed = (config.model.seed + 0x9E3779B1 * config.data_parallel_rank) % 2**32
         self.sampler = Sampler(rank_seed, config.logprobs_mode)
+        # the sampler's per-step settings go up from pinned memory on CUDA (no host sync)
+        cuda = self.device.type == "cuda"
+        self.sampler_upload = Staging(self.device, torch.float64).upload if cuda else None
         self.residency = WeightResidency(self.model)
 
     def _attach_lora(self) -> ModelLoRA | None:
@@ -160,28 +163,11 @@ class ModelRunner(RankWeights, RankShadow):
             return []
         return self.model.prepack(self.kernels)  # ~0.3 s for the default model, at start
 
-    def _compile_decode(self, progress: bool) -> CompiledDecode | None:
-        """Compiled graphs for decode steps of a few sequences, on the fast CPU path,
-        unless eager mode is asked for or torch cannot compile here."""
-        # Tensor-parallel steps run eagerly: their collectives are not in the graphs.
-        if (self.config.enforce_eager or self.kernels is None or self.tp.parallel
-                or not self.model.compilable or not compilation_available()):  # fmt: skip
-            return None
-        compiled = CompiledDecode(self.model, self.block_size, self.config.scheduler.max_model_len)
-        return compiled if compiled.warm_up(progress) else None
-
     @on_every_rank
     def weights_changed(self) -> None:
         """Drop every packed copy: the weights were (or may have been) written."""
         for holder in self.packed:
             holder.invalidate()
-
-    def _attention_backend(self) -> AttentionBackend:
-        if self.config.batch_invariant:
-            return BatchInvariantAttention()
-        if self.kernels is None:
-            return TorchPagedAttention()
-        return PagedKernelAttention(self.kernels)
 
     # -- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -215,6 +201,8 @@ class ModelRunner(RankWeights, RankShadow):
         """Release the KV memory (sleep); the scheduler must hold no block by now."""
         spec = self.model.spec
         empty = torch.empty(0, dtype=self.config.model.dtype, device=self.device)
+        if self.graphs is not None:
+            self.graphs.release()  # their memory too; recaptured on use after the wake
         self.kv_caches = [(empty, empty)] * spec.num_layers
         self.model.bind_kv_cache(self.kv_caches)
 
@@ -275,18 +263,20 @@ class ModelRunner(RankWeights, RankShadow):
             lora = self.lora.plan([(s.request.lora, s.num_tokens) for s in items])
         if self.tp.parallel:
             self.tp.broadcast_object(("forward_batch", (batch, lora)))
-        inputs = self._inputs(batch)
         with self._adapters(lora):
-            # the compiled graphs were traced without adapters: adapter steps run eagerly
-            return self._run(items, inputs, compiled=lora is None)
+            return self._run(items, batch, adapters=lora is not None)
 
     def _adapters(self, plan: LoRAPlan | None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.lora is None else self.lora.apply(plan)
 
-    def _run(self, items: list[ScheduledChunk], inputs: StepInputs, compiled: bool) -> RunnerOutput:
+    def _run(self, items: list[ScheduledChunk], batch: StepBatch, adapters: bool) -> RunnerOutput:
         out = RunnerOutput()
         sampling = [s.request for s in items if s.samples]
-        logits = self._compiled_logits(items, inputs) if compiled else None
+        logits = graph_logits(self.graphs, batch, adapters, self.routed_experts is not None)
+        if logits is None:
+            inputs = self._inputs(batch)
+            # the compiled graphs were traced without adapters: adapter steps run eagerly
+            logits = None if adapters else compiled_logits(self.compiled, items, inputs)
         if logits is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             if self.routed_experts is not None:
@@ -296,7 +286,7 @@ class ModelRunner(RankWeights, RankShadow):
             if not sampling:
                 return out
             logits = self.model.compute_logits(hidden[inputs.logits_rows])
-        result = self.sampler(logits, SamplingBatch.from_requests(sampling, self.device))
+        result = self.sampler(logits, SamplingBatch.from_requests(sampling, self.sampler_upload))
         for request, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
             out.sampled[request.request_id] = token
             if logprobs is not None:
@@ -304,6 +294,8 @@ class ModelRunner(RankWeights, RankShadow):
         return out
 
     def _inputs(self, batch: StepBatch) -> StepInputs:
+        if self.staging is not None:  # the Triton backend: one upload
+            return self.backend.step_inputs(batch, self.staging, self.block_size)
         return step_inputs(batch, self.block_size, self.config.model.dtype, self.device,
                            self.backend.reads_decode_batch)  # fmt: skip
 
@@ -321,24 +313,6 @@ class ModelRunner(RankWeights, RankShadow):
             self.model.compute_logits(hidden[chunk])
         if batch.logits_rows:
             self.model.compute_logits(hidden[inputs.logits_rows])
-
-    def _compiled_logits(
-        self, items: list[ScheduledChunk], inputs: StepInputs
-    ) -> torch.Tensor | None:
-        """A decode step of a few sequences through the compiled graph (every row samples);
-        None: run it eagerly (not such a step, or the graph would have to recompile)."""
-        if self.compiled is None or not CompiledDecode.applies(
-            len(items), all(item.num_tokens == 1 for item in items)
-        ):
-            return None
-        try:
-            logits = self.compiled(inputs.input_ids, inputs.positions, inputs.meta)
-        except Exception as e:  # noqa: BLE001 - a shape the graphs were not compiled for
-            self.compiled.eager_steps += 1
-            logger.debug("decode step runs eagerly: %s", e)
-            return None
-        self.compiled.compiled_steps += 1
-        return logits
 
     def _read_routed_experts(
         self, items: list[ScheduledChunk], inputs: StepInputs, out: RunnerOutput

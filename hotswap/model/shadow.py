@@ -98,12 +98,18 @@ class ShadowWeights:
         self.shadow.clear()
         self.written.clear()
 
-    def swap(self) -> None:
+    def swap(self, in_place: bool = False) -> None:
         """The switch: every parameter the round wrote now reads its shadow, whose
-        buffer keeps the previous weights for reuse; the others stay as they are."""
-        for name in self.written:
-            param = self.params[name]
-            param.data, self.shadow[name] = self.shadow[name], param.data
+        buffer keeps the previous weights for reuse; the others stay as they are.
+        `in_place`: copy the shadow into the live weights instead (a device copy), for
+        whoever holds the weights' addresses (captured CUDA graphs)."""
+        with torch.no_grad():
+            for name in self.written:
+                param = self.params[name]
+                if in_place:
+                    param.data.copy_(self.shadow[name])
+                else:
+                    param.data, self.shadow[name] = self.shadow[name], param.data
         self.written.clear()
 
 
@@ -116,6 +122,7 @@ class RankShadow:
     tp: TPGroup
     transfer_channel: TPGroup
     shadow: ShadowWeights | None
+    graphs: Any  # the runner's captured decode graphs (model/cuda/graphs.py), or None
     rank_stage: dict[str, torch.Tensor]  # an m2n round's received parts (rank_weights.py)
     tell_workers: Callable[[tuple[str, tuple]], None]
     gather_errors: Callable[[str | None], list[str | None]]
@@ -178,8 +185,10 @@ class RankShadow:
 
     @on_every_rank
     def swap_shadow(self) -> None:
-        """The commit: every rank's shadow becomes its live weights (between two steps)."""
-        self.rank_shadow().swap()
+        """The commit: every rank's shadow becomes its live weights (between two steps);
+        by a device copy where CUDA graphs hold the weights' addresses (recapturing every
+        graph would cost far more than the copy)."""
+        self.rank_shadow().swap(in_place=self.graphs is not None)
 
     def drop_received(self) -> None:
         """A round that will not be committed: every rank forgets what it received of it

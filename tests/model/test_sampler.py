@@ -361,3 +361,37 @@ def test_logprob_rank_of_low_ranked_samples() -> None:
         assert lp.top_ids == order[:2]
         ranks.add(lp.token_rank)
     assert len(ranks) > 5
+
+
+class CountingReads(Sampler):
+    """Counts the sampler's device-to-host copies; on the `meta` device any other host read
+    (`.tolist()`, `.item()`, `bool()` of a tensor) raises."""
+
+    reads = 0
+
+    def fetch(self, packed: torch.Tensor) -> torch.Tensor:
+        self.reads += 1
+        return torch.zeros(packed.shape, dtype=packed.dtype)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logits"])
+def test_a_step_reads_back_once_and_uploads_once(mode: str) -> None:
+    """Greedy and random rows, top-k, top-p, min-p, seeded and unseeded, logprobs on some:
+    the decisions come from the host, so one upload in and one copy out."""
+    requests = [
+        make_request(SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, logprobs=3)),
+        make_request(SamplingParams(temperature=0.0, logprobs=1)),
+        make_request(SamplingParams(temperature=1.0, seed=3)),
+        make_request(SamplingParams(temperature=0.0)),
+    ]
+    uploads = []
+
+    def upload(values: list[float]) -> torch.Tensor:
+        uploads.append(len(values))
+        return torch.tensor(values, dtype=torch.float64, device="meta")
+
+    sampler = CountingReads(0, mode)
+    logits = torch.empty(len(requests), 1000, device="meta")
+    out = sampler(logits, SamplingBatch.from_requests(requests, upload))
+    assert sampler.reads == 1 and len(uploads) == 1
+    assert len(out.token_ids) == 4 and out.logprobs[2] is None and len(out.logprobs[0].top_ids) == 3

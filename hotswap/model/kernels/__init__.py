@@ -13,7 +13,7 @@ import torch
 
 from hotswap.model.kernels.build import isa_flags, load_cpu_kernels
 
-__all__ = ["CpuKernels", "load_cpu_kernels"]
+__all__ = ["CpuKernels", "LayerKernels", "load_cpu_kernels"]
 
 # Query heads per kv head the tiled decode kernel is built for (kMaxTileGroup in
 # csrc/common.h).
@@ -21,18 +21,27 @@ MAX_TILE_GROUP = 8
 
 
 @dataclass(frozen=True)
-class CpuKernels:
-    """The ops the model layers call (`torch.ops.hotswap_cpu.*`); a layer holding None
-    instead runs torch operators."""
+class LayerKernels:
+    """The ops the model layers call instead of torch operators, with the torch
+    reference's signatures (model/layers.py); a layer holding None runs torch operators.
+    The CPU kernels below, or the Triton ones on CUDA (model/cuda/ops.py)."""
 
-    gemv: Callable[..., torch.Tensor]
+    gemv: Callable[..., torch.Tensor] | None  # a few rows x a bf16 weight (None: F.linear)
     rms_norm: Callable[..., torch.Tensor]
     add_rms_norm: Callable[..., torch.Tensor]  # mutates its residual argument
     rotary_embedding: Callable[..., None]  # in place
+    silu_and_mul: Callable[..., torch.Tensor]
+    # Qwen3's per-head q/k norm in place over [tokens, q + kv heads, dim] (None: per module)
+    head_rms_norm: Callable[..., None] | None
+
+
+@dataclass(frozen=True)
+class CpuKernels(LayerKernels):
+    """hotswap's CPU kernels (`torch.ops.hotswap_cpu.*`)."""
+
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_decode_attention_tiles: Callable[..., torch.Tensor]
     write_kv_tiles: Callable[..., None]  # in place, into the caches
-    silu_and_mul: Callable[..., torch.Tensor]
     # AMX linear layers (None where the build or the process has no AMX tiles)
     amx_pack_weight: Callable[..., torch.Tensor] | None
     amx_linear: Callable[..., torch.Tensor] | None
@@ -44,10 +53,19 @@ class CpuKernels:
             return None
         ops = torch.ops.hotswap_cpu
         amx = (ops.amx_pack_weight, ops.amx_linear) if ops.amx_available() else (None, None)
-        return cls(ops.gemv, ops.rms_norm, ops.add_rms_norm, ops.rotary_embedding,
-                   ops.paged_decode_attention, ops.paged_decode_attention_tiles,
-                   ops.write_kv_tiles, ops.silu_and_mul,
-                   *amx)  # fmt: skip
+        return cls(
+            gemv=ops.gemv,
+            rms_norm=ops.rms_norm,
+            add_rms_norm=ops.add_rms_norm,
+            rotary_embedding=ops.rotary_embedding,
+            silu_and_mul=ops.silu_and_mul,
+            head_rms_norm=None,
+            paged_decode_attention=ops.paged_decode_attention,
+            paged_decode_attention_tiles=ops.paged_decode_attention_tiles,
+            write_kv_tiles=ops.write_kv_tiles,
+            amx_pack_weight=amx[0],
+            amx_linear=amx[1],
+        )
 
     @staticmethod
     def tiles_apply(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,

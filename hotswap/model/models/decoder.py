@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hotswap.model.attention import AttentionBackend, AttentionMetadata
-from hotswap.model.kernels import CpuKernels
+from hotswap.model.kernels import LayerKernels
 from hotswap.model.layers import (
     Linear,
     RMSNorm,
@@ -77,7 +77,7 @@ class Attention(nn.Module):
         # as inputs (a cache re-allocated after sleep is seen, not baked in).
         self.register_buffer("k_cache", torch.empty(0, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.empty(0, dtype=dtype), persistent=False)
-        self.kernels: CpuKernels | None = None  # RoPE in place when set
+        self.kernels: LayerKernels | None = None  # RoPE in place when set
 
     def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -88,8 +88,7 @@ class Attention(nn.Module):
         v = qkv[:, -self.split_sizes[2] :].view(tokens, kv_heads, self.head_dim)
         qk = qkv[:, : -self.split_sizes[2]].view(tokens, heads + kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = qk.split([heads, kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+            qk = self._head_norms(qk)
         # q and k rotate together: one set of elementwise ops instead of two.
         if self.kernels is not None:
             self.kernels.rotary_embedding(qk, *rope)  # in place: qkv is this step's own
@@ -100,6 +99,16 @@ class Attention(nn.Module):
             raise RuntimeError("attention: no KV cache is bound to the model")
         out = self.backend.forward(q, k, v, (self.k_cache, self.v_cache), meta, self.scale)
         return self.o_proj(out.reshape(tokens, -1))
+
+    def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3: each q head and each k head normalised on its own (one kernel, in place,
+        where the kernels have one)."""
+        fused = self.kernels.head_rms_norm if self.kernels is not None else None
+        if fused is not None:
+            fused(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads, self.q_norm.eps)
+            return qk
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
 
     def _whole_qk_norm_and_clip(self, qkv: torch.Tensor) -> torch.Tensor:
         """OLMoE: q and k each normalised as one vector (before the heads are split), then
@@ -149,7 +158,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(spec.hidden_size, 2 * size, spec.mlp_bias, dtype, invariant)
         self.down_proj = Linear(size, spec.hidden_size, spec.mlp_bias, dtype, invariant)
         self.down_proj.reduce = tp if tp.parallel and reduce else None
-        self.kernels: CpuKernels | None = None  # the fused activation when set
+        self.kernels: LayerKernels | None = None  # the fused activation when set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

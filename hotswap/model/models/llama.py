@@ -14,7 +14,7 @@ from torch import nn
 
 from hotswap.errors import InvalidArgument
 from hotswap.model.attention import AttentionBackend, AttentionMetadata
-from hotswap.model.kernels import CpuKernels
+from hotswap.model.kernels import CpuKernels, LayerKernels
 from hotswap.model.layers import Linear, MatVec, linear, tiled_linear, use_kernels
 from hotswap.model.models.decoder import MLP, DecoderModel
 from hotswap.model.models.sharding import (
@@ -114,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         layout = head_layout(self.spec, self.tp)
         return layout.heads, layout.kv_heads
 
-    def use_kernels(self, kernels: CpuKernels | None) -> None:
+    def use_kernels(self, kernels: LayerKernels | None) -> None:
         """Run single-row products (every linear layer and the LM head), norms and RoPE
         through hotswap's CPU kernels, or torch operators (None)."""
         use_kernels(self, kernels)
