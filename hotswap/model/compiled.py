@@ -10,17 +10,26 @@ single sequence and one for 2 to `MAX_ROWS` (batch size dynamic); both are compi
 the engine starts (Inductor caches them on disk: ~60 s the first time on a machine,
 seconds after), so no step ever waits for a compiler.
 
+Inductor's on-disk cache is shared by every engine a user starts, and its key leaves out
+the ranges given to `mark_dynamic`, while an entry brings back the guards of the range it
+was compiled for. So the ranges do not depend on the configuration (block tables of 2 to
+`MAX_BLOCK_COLUMNS` columns, whatever `max_model_len`: one entry serves every length),
+and the ranges are in the key (`cache_tag`), so an entry compiled for other ranges (a
+longer `max_model_len`, or a hotswap before this) is never taken for these.
+
 Parameters and the KV caches are graph inputs, not constants: weight updates, swaps and
 a re-allocated cache are seen as they are. A step the graphs cannot take (prefill chunks,
 larger batches, a shape they were not compiled for) runs eagerly; `--enforce-eager`, a
 batch-invariant engine, torch's own `TORCH_COMPILE_DISABLE=1`, or a failed compile run every
-step eagerly, with the same results up to float rounding.
+step eagerly, with the same results up to float rounding. A failed compile says so in one
+warning line (torch's own traceback of the guard it could not create is left out).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -32,6 +41,9 @@ from hotswap.model.layers import MATVEC_MAX_ROWS
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = MATVEC_MAX_ROWS  # beyond it the GEMMs dominate and Python costs little
+# Block-table widths every engine's graphs take (1M tokens of context at block size 16);
+# a longer max_model_len widens the range, under a key of its own.
+MAX_BLOCK_COLUMNS = 1 << 16
 
 
 def compilation_available() -> bool:
@@ -42,7 +54,9 @@ class CompiledDecode:
     def __init__(self, model: nn.Module, block_size: int, max_model_len: int) -> None:
         self.model = model
         self.block_size = block_size
-        self.max_blocks = max(2, -(-max_model_len // block_size))  # block table columns
+        # block-table columns the graphs take: the same for every max_model_len up to
+        # MAX_BLOCK_COLUMNS blocks, so that they share one cached compile
+        self.max_blocks = max(MAX_BLOCK_COLUMNS, -(-max_model_len // block_size))
         self.compiled_steps = 0  # decode steps the graphs ran
         self.eager_steps = 0  # decode steps they would have had to recompile for
         self._graph: Callable[..., torch.Tensor] = torch.compile(
@@ -73,17 +87,10 @@ class CompiledDecode:
         False if compilation failed: the engine then runs eagerly."""
         desc = "Compiling decode steps (cached for later runs)"
         bar = tqdm(total=2, desc=desc, disable=not progress, leave=False)
+        tag = cache_tag(self.max_blocks)
         try:
-            for rows in (1, 2):
-                device = next(self.model.parameters()).device
-                slots = torch.zeros(rows, dtype=torch.long, device=device)
-                meta = build_metadata([1] * rows, [1] * rows, [[0]] * rows, slots,
-                                      self.block_size, decode_batch=True)  # fmt: skip
-                ids = torch.zeros(rows, dtype=torch.long, device=device)
-                positions = slots.clone()
-                _mark_dynamic(ids, positions, meta, self.max_blocks)
-                self._graph(ids, positions, meta)
-                bar.update(1)
+            with torch.compiler.config.patch(cache_key_tag=tag), _without_guard_tracebacks():
+                self._compile_both(bar)
         except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op: run eagerly
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             logger.warning("decode steps could not be compiled (%s); running eagerly", reason)
@@ -91,6 +98,44 @@ class CompiledDecode:
         finally:
             bar.close()
         return True
+
+    def _compile_both(self, bar: tqdm) -> None:
+        device = next(self.model.parameters()).device
+        for rows in (1, 2):
+            slots = torch.zeros(rows, dtype=torch.long, device=device)
+            meta = build_metadata([1] * rows, [1] * rows, [[0]] * rows, slots,
+                                  self.block_size, decode_batch=True)  # fmt: skip
+            ids = torch.zeros(rows, dtype=torch.long, device=device)
+            positions = slots.clone()
+            _mark_dynamic(ids, positions, meta, self.max_blocks)
+            self._graph(ids, positions, meta)
+            bar.update(1)
+
+
+def cache_tag(max_blocks: int) -> str:
+    """Part of Inductor's cache key while the graphs compile (after any tag the user set
+    with TORCH_COMPILE_CACHE_KEY_TAG): the dynamic ranges, which its key leaves out."""
+    ranges = f"hotswap decode steps: rows 2..{MAX_ROWS}, block columns 2..{max_blocks}"
+    return "; ".join(filter(None, [torch.compiler.config.cache_key_tag, ranges]))
+
+
+class _NoGuardErrors(logging.Filter):
+    """torch logs a guard it could not create (a cached graph's guards against the ranges
+    asked for) with a traceback, then raises: warm_up reports what it raised in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _without_guard_tracebacks() -> Iterator[None]:
+    guards = logging.getLogger("torch._guards")
+    quiet = _NoGuardErrors()
+    guards.addFilter(quiet)
+    try:
+        yield
+    finally:
+        guards.removeFilter(quiet)
 
 
 def _mark_dynamic(

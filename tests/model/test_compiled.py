@@ -8,6 +8,12 @@ about a minute on a machine's first run (Inductor caches the graphs on disk)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -111,3 +117,56 @@ def test_batch_invariant_mode_stays_eager(compiling, tiny_model_factory) -> None
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", batch_invariant=True,
               progress=False)  # fmt: skip
     assert llm.engine.runner.compiled is None
+
+
+# One engine in a process of its own (Inductor's cache directory is process-wide); with a
+# third argument, it first makes the cache entry of its ranges a stale one: the ranges
+# widened to that many block columns, the key left as it was.
+ENGINE = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING)
+from hotswap import LLM, SamplingParams
+from hotswap.model import compiled
+model, max_model_len, columns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+if columns:
+    key = compiled.cache_tag(compiled.MAX_BLOCK_COLUMNS)
+    compiled.MAX_BLOCK_COLUMNS, compiled.cache_tag = columns, lambda max_blocks: key
+llm = LLM(model, dtype="float32", max_model_len=max_model_len, progress=False)
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+llm.generate([[5, 6, 7], [8, 9]], params, use_tqdm=False)
+graphs = llm.engine.runner.compiled
+steps = None if graphs is None else [graphs.compiled_steps, graphs.eager_steps]
+print("STEPS", json.dumps(steps))
+"""
+
+
+def engine_process(model: Path, max_model_len: int, cache: Path, columns: int = 0):  # noqa: ANN201
+    """(compiled steps, eager steps) or None when the engine runs eagerly, and its log."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_COMPILE_DISABLE"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    args = [sys.executable, "-c", ENGINE, str(model), str(max_model_len), str(columns)]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("STEPS ")]
+    return json.loads(line.removeprefix("STEPS ")), log
+
+
+def test_engines_of_other_lengths_share_one_compile_cache(tiny_model_factory, tmp_path) -> None:  # noqa: ANN001
+    """max_model_len 128, then 512, on one cache: both decode through the graphs (the
+    second from the first's compile), and nothing logs a traceback. Before, the second
+    took the first's graphs with their guard `block columns <= 8` against its own range
+    (<= 32), logged a 60-line ConstraintViolationError and ran eagerly, as every later
+    start did until the cache was deleted."""
+    model = tiny_model_factory("llama")
+    for max_model_len in (128, 512):
+        steps, log = engine_process(model, max_model_len, tmp_path)
+        assert steps is not None and steps[0] > 0 and steps[1] == 0, log
+        assert "Traceback" not in log and "could not be compiled" not in log, log
+    # An entry whose key does not say its ranges (one written before they were keyed):
+    # the compile still fails, and says so in one line.
+    steps, log = engine_process(model, 512, tmp_path, columns=1 << 17)
+    assert steps is None, log
+    (failure,) = [line for line in log.splitlines() if "could not be compiled" in line]
+    assert "Constraints violated" in failure, log
+    assert "Traceback" not in log and "Error while creating guard" not in log, log
