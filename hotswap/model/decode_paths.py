@@ -5,6 +5,7 @@ and the graphs count why (`DecodeGraphs.eager_steps`)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable
@@ -56,13 +57,14 @@ def compiled_logits(
 def decode_graphs(
     config: EngineConfig,
     model: nn.Module,
+    backend: Any,
     staging: Any,
     parallel: bool,
     watched: Callable[[], Iterable[torch.Tensor]],
-    kv_heads: int,
+    progress: bool,
 ) -> Any:
-    """CUDA graphs for decode steps on the Triton path (`staging` set), unless eager mode
-    is asked for; None elsewhere."""
+    """CUDA graphs for decode steps on the Triton path (`staging` set), every bucket
+    captured now, unless eager mode is asked for; None elsewhere."""
     device = torch.device(config.device)
     if (config.enforce_eager or staging is None or device.type != "cuda" or parallel
             or not model.compilable):  # fmt: skip
@@ -70,8 +72,12 @@ def decode_graphs(
     from hotswap.model.cuda.graphs import CudaGraphCapture, DecodeGraphs
 
     max_blocks = -(-config.scheduler.max_model_len // config.cache.block_size)
-    return DecodeGraphs(model, CudaGraphCapture(), watched, config.scheduler.max_num_seqs,
-                        max_blocks, kv_heads, config.cache.block_size, device)  # fmt: skip
+    metadata = functools.partial(backend.graph_metadata, block_size=config.cache.block_size)
+    graphs = DecodeGraphs(model, CudaGraphCapture(), watched, metadata,
+                          config.scheduler.max_num_seqs, max_blocks, device)  # fmt: skip
+    with torch.inference_mode():  # as the steps run
+        graphs.capture_all(progress)
+    return graphs
 
 
 def graph_logits(

@@ -116,9 +116,10 @@ class ModelRunner(RankWeights, RankShadow):
         self.routed_experts = self._routed_experts_buffer()
         # on the bound cache, still unused
         self.compiled = compile_decode(config, self.model, self.kernels, self.tp.parallel, progress)
-        self.graphs = decode_graphs(config, self.model, self.staging, self.tp.parallel,
+        self.graphs = decode_graphs(config, self.model, self.backend, self.staging,
+                                    self.tp.parallel,
                                     watched_tensors(self.model, lambda: self.kv_caches),
-                                    self.model.local_heads[1])  # fmt: skip
+                                    progress)  # fmt: skip
         # Each data-parallel rank draws its own noise for unseeded requests (the same seed
         # would make ranks sample identical "random" completions). The CPU generator keeps
         # 32 bits of a seed, so ranks are spread within them; rank 0 keeps the seed as is.

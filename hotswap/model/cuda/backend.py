@@ -80,6 +80,27 @@ class TritonAttention:
             )  # fmt: skip
         return out
 
+    def graph_metadata(self, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                       positions: torch.Tensor, block_size: int) -> AttentionMetadata:  # fmt: skip
+        """A decode step's metadata from a graph's static inputs, made with device ops only
+        (inside the captured forward): the split-K decode kernel, or in batch-invariant
+        mode the prefill kernel with one query per sequence, in a tile aligned to its
+        position."""
+        rows = slots.shape[0]
+        meta = AttentionMetadata(slots, [], [], [], block_size)
+        if not self.unified:
+            splits = decode_splits(rows, self.kv_heads)
+            meta.decode_batch = DecodeBatch(
+                rows=slice(0, rows), block_tables=tables, context_lens=lens, num_splits=splits
+            )
+            return meta
+        index = torch.arange(rows, device=slots.device)
+        meta.prefill_batch = PrefillBatch(
+            tables=tables, starts=index, query_lens=torch.ones_like(index), lens=lens,
+            tile_seqs=index, tile_firsts=-(positions % ops.PREFILL_BLOCK_M),
+        )  # fmt: skip
+        return meta
+
     def step_inputs(self, batch: StepBatch, staging: Staging, block_size: int) -> StepInputs:
         """The step's tensors, views of one upload."""
         layout = _Layout(batch, self.unified)

@@ -9,8 +9,9 @@ into static input buffers.
 - Static inputs: one int64 buffer per bucket row layout (ids, positions, slots, lengths)
   and a block table [rows, max blocks per sequence]; a step uploads its rows (and only
   the table columns its sequences use) from pinned memory, asynchronously.
-- Every graph shares one memory pool; graphs are captured lazily, on a bucket's first
-  step, after one eager warm-up run of it (which compiles the Triton kernels).
+- Every graph shares one memory pool. All buckets are captured when the engine starts
+  (largest first), each after one eager warm-up run (which compiles the Triton kernels);
+  a graph dropped later (below) is captured again on its bucket's next step.
 - A graph bakes in the addresses of every weight, KV cache and buffer it read. Before each
   replay the addresses of the watched tensors (the model's parameters and buffers, the KV
   caches) are compared with those at capture; on any difference (a swapped-in weight, a
@@ -31,9 +32,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
-from hotswap.model.attention import AttentionMetadata, DecodeBatch
-from hotswap.model.cuda.backend import decode_splits
+from hotswap.model.attention import AttentionMetadata
 from hotswap.model.cuda.staging import Staging
 from hotswap.model.step_inputs import StepBatch
 
@@ -85,6 +86,13 @@ class _Graph:
     fingerprint: tuple[int, ...]
 
 
+# The attention metadata of a decode step from its static inputs (slots, block tables,
+# context lengths, positions), made inside the captured forward: the backend's
+# `graph_metadata` (model/cuda/backend.py).
+GraphMetadata = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                         AttentionMetadata]  # fmt: skip
+
+
 class DecodeGraphs:
     """Decode steps of up to `max_rows` sequences through captured graphs. `watched`
     yields the tensors whose addresses a graph depends on."""
@@ -94,15 +102,14 @@ class DecodeGraphs:
         model: nn.Module,
         capture: GraphCapture,
         watched: Callable[[], Iterable[torch.Tensor]],
+        metadata: GraphMetadata,
         max_rows: int,
         max_blocks: int,
-        kv_heads: int,
-        block_size: int,
         device: torch.device,
     ) -> None:
         self.model, self.capturer, self.watched = model, capture, watched
+        self.metadata = metadata
         self.sizes = capture_sizes(max_rows)
-        self.kv_heads, self.block_size = kv_heads, block_size
         rows = self.sizes[-1]
         self.rows_staging = Staging(device)
         self.table_staging = Staging(device)
@@ -123,6 +130,16 @@ class DecodeGraphs:
 
     def fingerprint(self) -> tuple[int, ...]:
         return tuple(t.data_ptr() for t in self.watched())
+
+    def capture_all(self, progress: bool = True) -> None:
+        """Capture every bucket now, largest first (the smaller ones then reuse the pool's
+        memory), so that no step waits for a capture: at engine start."""
+        fingerprint = self.fingerprint()
+        desc = "Capturing CUDA graphs for decode"
+        for size in tqdm(sorted(self.sizes, reverse=True), desc=desc, disable=not progress,
+                         leave=False):  # fmt: skip
+            if size not in self.graphs:
+                self._capture(size, fingerprint)
 
     def release(self) -> None:
         """Drop every graph and its pool (sleep; changed addresses)."""
@@ -162,22 +179,18 @@ class DecodeGraphs:
         flat = [block for t in tables for block in t + filler[len(t) :]]
         self.table_staging.upload_into(flat, self.tables[:size, :width])
 
-    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         ids, positions, slots, lens = (self.rows[i, :size] for i in range(len(_SECTIONS)))
-        decode = DecodeBatch(rows=slice(0, size), block_tables=self.tables[:size],
-                             context_lens=lens,
-                             num_splits=decode_splits(size, self.kv_heads))  # fmt: skip
-        meta = AttentionMetadata(slot_mapping=slots, sequences=[], decode_sequences=[],
-                                 decode_groups=[], block_size=self.block_size,
-                                 decode_batch=decode)  # fmt: skip
-        return ids, positions, meta
+        return ids, positions, slots, lens
 
     def _capture(self, size: int, fingerprint: tuple[int, ...]) -> _Graph:
-        ids, positions, meta = self._inputs(size)
+        ids, positions, slots, lens = self._inputs(size)
+        tables = self.tables[:size]
         self.rows[:, :size] = torch.tensor([[0], [0], [-1], [1]], device=self.rows.device)
-        self.tables[:size] = 0
+        tables.zero_()
 
         def forward() -> torch.Tensor:
+            meta = self.metadata(slots, tables, lens, positions)
             return self.model.compute_logits(self.model(ids, positions, meta))
 
         forward()  # warm-up: compiles the kernels, allocates nothing the graph keeps
