@@ -47,6 +47,7 @@ rounds, and that p50 over the median gap; `ctx`, the mean output length of the s
 at the switch; `stale`, streams whose first token after the switch is marked stale.
 
     python benchmarks/in_flight.py [--streams 16] [--rounds 6] [--lead 2] [--tail 1]
+        [--device cuda --backend ipc]
 """
 
 from __future__ import annotations
@@ -200,6 +201,7 @@ async def start_engine(
         multiprocess=True,
         progress=False,
         dtype="float32",
+        device=args.device,
         num_threads=args.threads,
         weight_transfer_config=config.transfer_config(args.backend),
     )
@@ -422,6 +424,7 @@ async def main(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)
     module, weight_sets = load_trainer(path, args.noise)
+    module.to(args.device)  # on a GPU the ipc backend shares CUDA tensors (CUDA IPC)
     engines = []
     try:
         for name in args.configs:
@@ -491,6 +494,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--noise", type=float, default=1e-3, help="relative perturbation")
     parser.add_argument("--backend", choices=["gloo", "ipc"], default="gloo")
+    parser.add_argument("--device", default="cpu", help="the engines' and the trainer's")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
                         default=["paused", "keep", "swap"],
                         help="the first is the reference")  # fmt: skip

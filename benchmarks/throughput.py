@@ -7,11 +7,16 @@ tokens. transformers runs the requests as one left-padded batch (its
 batched `generate`), which decodes until the longest request is done; only the requested
 tokens are counted as output.
 
-    python benchmarks/throughput.py [--model DIR] [--dtype bfloat16|float32] [--num-requests 64]
-        [--device cuda]
+    python benchmarks/throughput.py [--model DIR] [--dtype bfloat16|float32]
+        [--num-requests 64 [256 ...]] [--device cuda] [--peers transformers eager]
+        [--engine-args JSON] [--json FILE]
 
-With `--baseline DIR` the peer is hotswap from another checkout instead (a regression
-check: `git worktree add /tmp/base COMMIT`, then `--baseline /tmp/base`).
+Peers: `transformers`; `eager`, hotswap itself with `enforce_eager` (no CUDA graphs, no
+compiled decode steps); with `--baseline DIR`, hotswap from another checkout (a
+regression check: `git worktree add /tmp/base COMMIT`, then `--baseline /tmp/base`).
+`--engine-args` passes hotswap's engine arguments (a GPU run wants a larger
+`kv_cache_memory_bytes` and `max_num_seqs` than the CPU defaults); `--json` writes every
+row.
 """
 
 from __future__ import annotations
@@ -38,10 +43,12 @@ def make_workload(num_requests: int, vocab_size: int, seed: int, mixed: bool) ->
     return requests
 
 
-def run_hotswap(model: str | None, dtype: str, requests: list[dict], device: str) -> float:
+def run_hotswap(
+    model: str | None, dtype: str, requests: list[dict], device: str, engine_args: dict
+) -> float:
     from hotswap import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, progress=False, device=device)
+    llm = LLM(model, dtype=dtype, progress=False, device=device, **engine_args)
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     llm.generate([r["prompt"] for r in requests[:4]], warm, use_tqdm=False)
     llm.reset_prefix_cache()  # no prefix hits from the warm-up
@@ -90,12 +97,20 @@ def run_transformers(model_dir: str, dtype: str, requests: list[dict], device: s
 
 def worker(args: argparse.Namespace) -> None:
     requests = json.loads(sys.stdin.read())
-    if args.worker == "hotswap":
-        elapsed = run_hotswap(args.model, args.dtype, requests, args.device)
+    if args.worker in ("hotswap", "eager"):
+        engine_args = json.loads(args.engine_args or "{}")
+        if args.worker == "eager":
+            engine_args["enforce_eager"] = True
+        elapsed = run_hotswap(args.model, args.dtype, requests, args.device, engine_args)
     else:
         elapsed = run_transformers(args.model_dir, args.dtype, requests, args.device)
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"elapsed": elapsed, "peak_mib": peak_mib}))
+    result = {"elapsed": elapsed, "peak_mib": peak_mib}
+    if args.device.startswith("cuda"):
+        import torch
+
+        result["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps(result))
 
 
 def measure(engine: str, args: argparse.Namespace, model_dir: str, requests: list[dict]) -> dict:
@@ -106,20 +121,12 @@ def measure(engine: str, args: argparse.Namespace, model_dir: str, requests: lis
         script = str(Path(args.baseline) / "benchmarks" / "throughput.py")
         env = dict(os.environ, PYTHONPATH=str(Path(args.baseline).resolve()))
         engine = "hotswap"
-    cmd = [
-        sys.executable,
-        script,
-        "--worker",
-        engine,
-        "--dtype",
-        args.dtype,
-        "--model-dir",
-        model_dir,
-        "--device",
-        args.device,
-    ]
+    cmd = [sys.executable, script, "--worker", engine, "--dtype", args.dtype,
+           "--model-dir", model_dir, "--device", args.device]  # fmt: skip
     if args.model:
         cmd += ["--model", args.model]
+    if args.engine_args and engine != "transformers":
+        cmd += ["--engine-args", args.engine_args]
     proc = subprocess.run(
         cmd, input=json.dumps(requests), capture_output=True, text=True, check=False, env=env
     )
@@ -130,15 +137,39 @@ def measure(engine: str, args: argparse.Namespace, model_dir: str, requests: lis
     return result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model dir (default: built-in model)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both engines)")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="mixed workloads, one per count (besides the 1-request one)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="runs per engine (best kept)")
-    parser.add_argument("--worker", choices=["hotswap", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--peers", nargs="+", choices=["transformers", "eager"], default=["transformers"]
+    )
+    parser.add_argument(
+        "--peer-max-requests",
+        type=int,
+        default=None,
+        help="run the transformers peer only up to this many requests",
+    )
+    parser.add_argument(
+        "--engine-args",
+        default=None,
+        metavar="JSON",
+        help="hotswap engine arguments, e.g. '{\"max_num_seqs\": 256}'",
+    )
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the rows here")
+    parser.add_argument(
+        "--worker", choices=["hotswap", "eager", "transformers"], help=argparse.SUPPRESS
+    )
     parser.add_argument(
         "--baseline",
         metavar="DIR",
@@ -146,7 +177,11 @@ def main() -> None:
         "commit) instead of transformers",
     )
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker:
         worker(args)
         return
@@ -154,36 +189,31 @@ def main() -> None:
 
     model_dir = str(resolve_model_path(args.model))
     vocab = int(read_hf_config(resolve_model_path(args.model))["vocab_size"])
-    scenarios = [
-        ("1 request (128 in, 128 out)", make_workload(1, vocab, args.seed, mixed=False)),
-        (
-            f"{args.num_requests} mixed requests",
-            make_workload(args.num_requests, vocab, args.seed, mixed=True),
-        ),
-    ]
+    scenarios = [("1 request (128 in, 128 out)", make_workload(1, vocab, args.seed, mixed=False))]
+    scenarios += [(f"{n} mixed requests", make_workload(n, vocab, args.seed, mixed=True))
+                  for n in args.num_requests]  # fmt: skip
+    peers = ["baseline"] if args.baseline else args.peers
     print(f"model: {model_dir}\ndtype: {args.dtype}\ndevice: {args.device}\n")
-    peer, peer_label = ("baseline", "base") if args.baseline else ("transformers", "HF")
-    header = (
-        f"{'workload':32} {'hotswap tok/s':>14} {peer_label + ' tok/s':>10} {'ratio':>7} "
-        f"{'hotswap peak':>13} {peer_label + ' peak':>9}"
-    )
-    print(header)
-    print("-" * len(header))
+    print(f"{'workload':30} {'engine':>12} {'tok/s':>10} {'hotswap x':>10} {'peak MiB':>9}")
+    rows = []
     for name, requests in scenarios:
+        engines = ["hotswap"] + [p for p in peers if p != "transformers" or args.peer_max_requests
+                                 is None or len(requests) <= args.peer_max_requests]  # fmt: skip
         # Alternate the engines and keep each one's best run: this machine's timings vary
         # by ~5% run to run, and interleaving keeps slow phases from favouring one side.
-        runs: dict[str, list[dict]] = {"hotswap": [], peer: []}
+        runs: dict[str, list[dict]] = {engine: [] for engine in engines}
         for _ in range(args.repeats):
             for engine in runs:
                 runs[engine].append(measure(engine, args, model_dir, requests))
-        ours = max(runs["hotswap"], key=lambda r: r["tokens_per_s"])
-        theirs = max(runs[peer], key=lambda r: r["tokens_per_s"])
-        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-        print(
-            f"{name:32} {ours['tokens_per_s']:14.1f} {theirs['tokens_per_s']:10.1f} "
-            f"{ratio:6.2f}x {ours['peak_mib']:10.0f} MiB {theirs['peak_mib']:5.0f} MiB",
-            flush=True,
-        )
+        best = {e: max(r, key=lambda x: x["tokens_per_s"]) for e, r in runs.items()}
+        for engine, result in best.items():
+            ratio = best["hotswap"]["tokens_per_s"] / result["tokens_per_s"]
+            rows.append({"workload": name, "engine": engine, "requests": len(requests), **result,
+                         "hotswap_ratio": ratio})  # fmt: skip
+            print(f"{name:30} {engine:>12} {result['tokens_per_s']:10.1f} {ratio:9.2f}x "
+                  f"{result['peak_mib']:9.0f}", flush=True)  # fmt: skip
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

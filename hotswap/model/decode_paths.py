@@ -67,7 +67,7 @@ def decode_graphs(
     captured now, unless eager mode is asked for; None elsewhere."""
     device = torch.device(config.device)
     if (config.enforce_eager or staging is None or device.type != "cuda" or parallel
-            or not model.compilable):  # fmt: skip
+            or not model.graphable):  # fmt: skip
         return None
     from hotswap.model.cuda.graphs import CudaGraphCapture, DecodeGraphs
 

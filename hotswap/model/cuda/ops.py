@@ -28,6 +28,7 @@ from hotswap.model.cuda.elementwise import (
     silu_and_mul_kernel,
     store_kv_kernel,
 )
+from hotswap.model.cuda.moe_kernels import group_by_expert, grouped_gemm
 from hotswap.model.kernels import LayerKernels
 
 LOG2E = math.log2(math.e)
@@ -195,12 +196,37 @@ def prefill_tiles(
     return seqs, firsts
 
 
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts of model/moe.py `FusedExperts.forward` (same contract): gate/up,
+    SiLU-and-mul and down for every (token, slot) pair in two grouped launches, then each
+    token's slots weighted and summed in float32 in slot order."""
+    tokens, top_k = ids.shape
+    num_pairs = tokens * top_k
+    pairs, block_experts = group_by_expert(ids, gate_up.shape[0])
+    precision = _precision(x.dtype)
+    projected = torch.empty((pairs.shape[0], gate_up.shape[1]), dtype=x.dtype, device=x.device)
+    grouped_gemm(x, gate_up, pairs, block_experts, projected, num_pairs, top_k, gather=True,
+                 scatter=False, precision=precision)  # fmt: skip
+    activated = silu_and_mul(projected)  # padding rows too: never read
+    out = torch.empty((num_pairs, down.shape[1]), dtype=x.dtype, device=x.device)
+    grouped_gemm(activated, down, pairs, block_experts, out, num_pairs, top_k, gather=False,
+                 scatter=True, precision=precision)  # fmt: skip
+    mixed = (out.view(tokens, top_k, -1).float() * weights[..., None]).sum(dim=1)
+    return mixed.to(x.dtype)
+
+
 def layer_kernels() -> LayerKernels:
     """The hooks the model's layers call (model/kernels LayerKernels)."""
     gpu = torch.ops.hotswap_gpu
     return LayerKernels(gemv=None, rms_norm=gpu.rms_norm, add_rms_norm=gpu.add_rms_norm,
                         rotary_embedding=gpu.rotary_embedding_, silu_and_mul=gpu.silu_and_mul,
-                        head_rms_norm=gpu.head_rms_norm_)  # fmt: skip
+                        head_rms_norm=gpu.head_rms_norm_, fused_moe=gpu.fused_moe)  # fmt: skip
 
 
 _LIBRARY = torch.library.Library("hotswap_gpu", "DEF")
@@ -218,6 +244,8 @@ _SCHEMAS = {
     paged_prefill_: "paged_prefill_(Tensor(a!) out, Tensor q, Tensor k_cache, "
     "Tensor v_cache, Tensor tables, Tensor starts, Tensor query_lens, Tensor lens, "
     "Tensor tile_seqs, Tensor tile_firsts, float scale, int block_m=64, int block_n=64) -> ()",
+    fused_moe: "fused_moe(Tensor x, Tensor gate_up, Tensor down, Tensor ids, Tensor weights) "
+    "-> Tensor",
 }
 for _function, _schema in _SCHEMAS.items():
     _LIBRARY.define(_schema)

@@ -33,6 +33,9 @@ class LayerKernels:
     silu_and_mul: Callable[..., torch.Tensor]
     # Qwen3's per-head q/k norm in place over [tokens, q + kv heads, dim] (None: per module)
     head_rms_norm: Callable[..., None] | None
+    # a mixture of experts' routed experts in one call, reading nothing back (None: per
+    # expert from Python, model/moe.py)
+    fused_moe: Callable[..., torch.Tensor] | None
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class CpuKernels(LayerKernels):
             rotary_embedding=ops.rotary_embedding,
             silu_and_mul=ops.silu_and_mul,
             head_rms_norm=None,
+            fused_moe=None,
             paged_decode_attention=ops.paged_decode_attention,
             paged_decode_attention_tiles=ops.paged_decode_attention_tiles,
             write_kv_tiles=ops.write_kv_tiles,

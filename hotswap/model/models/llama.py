@@ -47,6 +47,11 @@ class LlamaForCausalLM(nn.Module):
     compilable = True  # decode steps may run as compiled graphs (model/compiled.py)
     tensor_parallel = True  # splits over ranks (sharding.py); else refused with a TP size
 
+    @property
+    def graphable(self) -> bool:
+        """Whether decode steps may replay as CUDA graphs (model/cuda/graphs.py)."""
+        return True
+
     def __init__(
         self,
         hf_config: dict[str, Any],

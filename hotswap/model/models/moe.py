@@ -64,6 +64,14 @@ class MoeForCausalLM(LlamaForCausalLM):
             self.moe, self.spec.hidden_size, dtype, invariant, shared_expert, self.tp
         )
 
+    @property
+    def graphable(self) -> bool:
+        """Whether decode steps may replay as CUDA graphs: where the routed experts run in
+        the fused kernel, which reads nothing back (not in batch-invariant mode)."""
+        experts = [block.experts for block in self.sparse_blocks()]
+        return all(e.kernels is not None and e.kernels.fused_moe is not None
+                   and not e.invariant for e in experts)  # fmt: skip
+
     def sparse_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 

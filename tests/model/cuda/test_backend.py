@@ -34,18 +34,22 @@ def outputs(llm: LLM, prompts: list[str]) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
 def test_the_triton_engine_generates_what_the_torch_engine_does(tiny_model_factory, arch) -> None:  # noqa: ANN001
     """Chunked prefill (a budget of 24 tokens), then the same prompts again from the prefix
-    cache, on both backends."""
+    cache, on both backends; a mixture of experts through the fused experts, its routed
+    experts returned."""
     path = tiny_model_factory(arch)
     runs = {}
     for backend in ("TORCH_SDPA", "TRITON_ATTN"):
-        llm = engine(path, backend, max_num_batched_tokens=24)
+        llm = engine(path, backend, max_num_batched_tokens=24,
+                     enable_return_routed_experts=arch.endswith("moe"))  # fmt: skip
         runs[backend] = outputs(llm, PROMPTS) + outputs(llm, PROMPTS)
         llm.shutdown()
     for want, got in zip(runs["TORCH_SDPA"], runs["TRITON_ATTN"], strict=True):
         assert got.token_ids == want.token_ids
+        if arch.endswith("moe"):
+            assert (got.routed_experts == want.routed_experts).all()
         for a, b in zip(got.logprobs, want.logprobs, strict=True):
             assert a.keys() == b.keys()
             assert max(abs(a[t].logprob - b[t].logprob) for t in a) < 1e-5

@@ -99,6 +99,22 @@ def test_replayed_decode_steps_give_the_eager_tokens(tiny_model_factory, eager_o
 
 
 @slow
+def test_a_mixture_of_experts_replays_through_the_fused_experts(tiny_model_factory) -> None:  # noqa: ANN001
+    """The routed experts grouped on the device: nothing read back, so a decode step with
+    experts replays from a graph (the stand-in would have baked in any host value)."""
+    path = tiny_model_factory("qwen3_moe")
+    eager = engine(path)
+    want = generate(eager)
+    assert eager.engine.runner.model.graphable
+    eager.shutdown()
+    llm = engine(path)
+    graphs = with_recorded_graphs(llm)
+    assert_same(generate(llm), want)
+    assert graphs.graph_steps > 0
+    llm.shutdown()
+
+
+@slow
 def test_batch_invariant_graphs_give_the_eager_logits_bit_for_bit(tiny_model_factory) -> None:  # noqa: ANN001
     """Every row through the prefill kernel, its tile aligned to its position: a padded,
     replayed decode step gives the very logits the eager step gives."""
