@@ -116,6 +116,9 @@ class DecodeGraphs:
         self.rows = torch.zeros(len(_SECTIONS), rows, dtype=torch.int64, device=device)
         self.tables = torch.zeros(rows, max(2, max_blocks), dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
+        # Every graph writes its logits here (made by the warm-up of the first capture):
+        # a graph's own output would stay allocated in the pool, one per bucket.
+        self.logits: torch.Tensor | None = None
         self.graph_steps = 0  # decode steps replayed from a graph
         self.captures = 0  # graphs captured (recaptures included)
         self.recaptures = 0  # times every graph was dropped for a changed address
@@ -142,8 +145,9 @@ class DecodeGraphs:
                 self._capture(size, fingerprint)
 
     def release(self) -> None:
-        """Drop every graph and its pool (sleep; changed addresses)."""
+        """Drop every graph, its pool and the output buffer (sleep; changed addresses)."""
         self.graphs.clear()
+        self.logits = None
         self.capturer.release()
 
     def run(self, batch: StepBatch) -> torch.Tensor:
@@ -191,7 +195,11 @@ class DecodeGraphs:
 
         def forward() -> torch.Tensor:
             meta = self.metadata(slots, tables, lens, positions)
-            return self.model.compute_logits(self.model(ids, positions, meta))
+            logits = self.model.compute_logits(self.model(ids, positions, meta))
+            if self.logits is None:  # one output buffer for every graph
+                self.logits = torch.empty((self.max_rows, logits.shape[1]), dtype=logits.dtype,
+                                          device=logits.device)  # fmt: skip
+            return self.logits[:size].copy_(logits)
 
         forward()  # warm-up: compiles the kernels, allocates nothing the graph keeps
         graph, logits = self.capturer.capture(forward)

@@ -88,7 +88,7 @@ def grouped_gemm(
     precision: dict[str, bool],
 ) -> None:  # fmt: skip
     n, k = w.shape[1], w.shape[2]
-    block_n = min(64, triton.next_power_of_2(n))
+    block_n = max(16, min(64, triton.next_power_of_2(n)))  # tensor-core products: >= 16
     block_k = min(64, max(16, triton.next_power_of_2(k)))
     grid = (block_experts.shape[0], triton.cdiv(n, block_n))
     grouped_gemm_kernel[grid](
