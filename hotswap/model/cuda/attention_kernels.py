@@ -71,14 +71,15 @@ def _attend_tile(
 
 @triton.jit
 def decode_split_kernel(
-    q_ptr, k_cache, v_cache, tables_ptr, lens_ptr, acc_ptr, stats_ptr,
-    q_stride, table_stride, scale_log2, num_splits, kv_heads, head_dim,
+    q_ptr, k_cache, v_cache, tables_ptr, lens_ptr, acc_ptr, stats_ptr, out_ptr,
+    q_stride, table_stride, out_stride, scale_log2, num_splits, kv_heads, head_dim,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     """acc [seqs, heads, splits, DIM] float32 (unnormalised), stats [seqs, heads, splits,
-    2] float32 (row max in base 2, row sum) of each split."""
+    2] float32 (row max in base 2, row sum) of each split; DIRECT (one split): the
+    normalised rows straight into out [seqs, heads, head_dim] instead."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -90,8 +91,9 @@ def decode_split_kernel(
     dims = tl.arange(0, DIM)
     dim_mask = dims < head_dim
     heads = kv_head * GROUP + group
+    rows_ok = (group < GROUP)[:, None] & dim_mask[None, :]
     q = tl.load(q_ptr + seq * q_stride + heads[:, None] * head_dim + dims[None, :],
-                mask=(group < GROUP)[:, None] & dim_mask[None, :], other=0.0)  # fmt: skip
+                mask=rows_ok, other=0.0)  # fmt: skip
     acc = tl.zeros([GROUP_PAD, DIM], dtype=tl.float32)
     row_max = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros([GROUP_PAD], dtype=tl.float32)
@@ -105,12 +107,16 @@ def decode_split_kernel(
             q, acc, row_max, row_sum, k_cache, v_cache, rows, valid, kv_head * head_dim,
             dims, dim_mask, allowed, scale_log2, row_width, IEEE, UPCAST,
         )  # fmt: skip
-    total_heads = kv_heads * GROUP
-    slot = (seq * total_heads + heads) * num_splits + split  # [GROUP_PAD]
-    tl.store(acc_ptr + slot[:, None] * DIM + dims[None, :], acc,
-             mask=(group < GROUP)[:, None])  # fmt: skip
-    tl.store(stats_ptr + slot * 2, row_max, mask=group < GROUP)
-    tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=group < GROUP)
+    if DIRECT:
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        tl.store(out_ptr + seq * out_stride + heads[:, None] * head_dim + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=rows_ok)  # fmt: skip
+    else:
+        slot = (seq * kv_heads * GROUP + heads) * num_splits + split  # [GROUP_PAD]
+        tl.store(acc_ptr + slot[:, None] * DIM + dims[None, :], acc,
+                 mask=(group < GROUP)[:, None])  # fmt: skip
+        tl.store(stats_ptr + slot * 2, row_max, mask=group < GROUP)
+        tl.store(stats_ptr + slot * 2 + 1, row_sum, mask=group < GROUP)
 
 
 @triton.jit

@@ -49,42 +49,47 @@ def add_rms_norm_kernel(
 
 @triton.jit
 def head_rms_norm_kernel(
-    qk_ptr, qw_ptr, kw_ptr, token_stride, q_heads, head_dim, eps, BLOCK: tl.constexpr
+    qk_ptr, qw_ptr, kw_ptr, token_stride, q_heads, heads, head_dim, eps,
+    HEADS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """In place over [tokens, q_heads + kv_heads, head_dim] (heads contiguous): the first
-    q_heads heads with the q weight, the rest with the k weight. Program: (token, head)."""
+    """In place over [tokens, q_heads + kv_heads, head_dim] (heads contiguous): each of
+    the first q_heads heads with the q weight, the rest with the k weight. Program: a
+    token, all its heads."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    rows = tl.arange(0, HEADS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < head_dim
-    ptrs = qk_ptr + token * token_stride + head * head_dim + cols
+    mask = (rows < heads)[:, None] & (cols < head_dim)[None, :]
+    ptrs = qk_ptr + token * token_stride + rows[:, None] * head_dim + cols[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if head < q_heads:
-        w = tl.load(qw_ptr + cols, mask=mask, other=0.0)
-    else:
-        w = tl.load(kw_ptr + cols, mask=mask, other=0.0)
-    tl.store(ptrs, _normalise(x, w, mask, head_dim, eps, qk_ptr.dtype.element_ty), mask=mask)
+    qw = tl.load(qw_ptr + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
+    kw = tl.load(kw_ptr + cols, mask=cols < head_dim, other=0.0).to(tl.float32)
+    weight = tl.where((rows < q_heads)[:, None], qw[None, :], kw[None, :])
+    mean = tl.sum(tl.where(mask, x * x, 0.0), axis=1) / head_dim
+    dtype = qk_ptr.dtype.element_ty
+    normed = (x * tl.rsqrt(mean + eps)[:, None]).to(dtype)
+    tl.store(ptrs, (normed.to(tl.float32) * weight).to(dtype), mask=mask)
 
 
 @triton.jit
 def rotary_kernel(
-    qk_ptr, cos_ptr, sin_ptr, token_stride, heads, head_dim, HALF: tl.constexpr
+    qk_ptr, cos_ptr, sin_ptr, token_stride, heads, head_dim,
+    HEADS: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """Rotate-half RoPE in place over [tokens, heads, head_dim] (heads contiguous), with
-    cos/sin rows [tokens, head_dim] whose halves repeat. Program: (token, head)."""
+    cos/sin rows [tokens, head_dim] whose halves repeat. Program: a token, all its heads."""
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     half = head_dim // 2
+    rows = tl.arange(0, HEADS)
     cols = tl.arange(0, HALF)
-    mask = cols < half
-    cos = tl.load(cos_ptr + token * head_dim + cols, mask=mask, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + token * head_dim + cols, mask=mask, other=0.0).to(tl.float32)
-    base = qk_ptr + token * token_stride + head * head_dim
-    x1 = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (rows < heads)[:, None] & (cols < half)[None, :]
+    cos = tl.load(cos_ptr + token * head_dim + cols, mask=cols < half, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * head_dim + cols, mask=cols < half, other=0.0).to(tl.float32)
+    base = qk_ptr + token * token_stride + rows[:, None] * head_dim + cols[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half, mask=mask, other=0.0).to(tl.float32)
     dtype = qk_ptr.dtype.element_ty
-    tl.store(base + cols, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(base + half + cols, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    tl.store(base, (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
+    tl.store(base + half, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
 
 
 @triton.jit

@@ -80,15 +80,16 @@ def head_rms_norm_(
 ) -> None:
     tokens, heads, dim = qk.shape
     if tokens:
-        head_rms_norm_kernel[(tokens, heads)](qk, q_weight, k_weight, qk.stride(0), q_heads,
-                                              dim, eps, BLOCK=block_for(dim))  # fmt: skip
+        head_rms_norm_kernel[(tokens,)](qk, q_weight, k_weight, qk.stride(0), q_heads, heads,
+                                        dim, eps, HEADS=block_for(heads),
+                                        BLOCK=block_for(dim))  # fmt: skip
 
 
 def rotary_embedding_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     tokens, heads, dim = qk.shape
     if tokens:
-        rotary_kernel[(tokens, heads)](qk, cos, sin, qk.stride(0), heads, dim,
-                                       HALF=block_for(dim // 2))  # fmt: skip
+        rotary_kernel[(tokens,)](qk, cos, sin, qk.stride(0), heads, dim,
+                                 HEADS=block_for(heads), HALF=block_for(dim // 2))  # fmt: skip
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -137,17 +138,19 @@ def paged_decode_(
     if not seqs:
         return
     group, width = heads // kv_heads, block_for(dim)
-    rows = seqs * heads * num_splits
+    direct = num_splits == 1  # the split kernel normalises and writes the rows itself
+    rows = 1 if direct else seqs * heads * num_splits
     acc = torch.empty((rows, width), dtype=torch.float32, device=q.device)
     stats = torch.empty((rows, 2), dtype=torch.float32, device=q.device)
     decode_split_kernel[(seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, tables, lens, acc, stats, q.stride(0), tables.stride(0),
-        scale * LOG2E, num_splits, kv_heads, dim, GROUP=group,
+        q, k_cache, v_cache, tables, lens, acc, stats, out, q.stride(0), tables.stride(0),
+        out.stride(0), scale * LOG2E, num_splits, kv_heads, dim, GROUP=group,
         GROUP_PAD=max(16, block_for(group)), DIM=width, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, **_precision(q.dtype), num_warps=4,
+        BLOCK_N=block_n, **_precision(q.dtype), DIRECT=direct, num_warps=4,
     )  # fmt: skip
-    decode_reduce_kernel[(seqs, heads)](acc, stats, out, out.stride(0), num_splits, dim,
-                                        SPLITS=block_for(num_splits), DIM=width)  # fmt: skip
+    if not direct:
+        decode_reduce_kernel[(seqs, heads)](acc, stats, out, out.stride(0), num_splits, dim,
+                                            SPLITS=block_for(num_splits), DIM=width)  # fmt: skip
 
 
 def paged_prefill_(
