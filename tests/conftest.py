@@ -30,6 +30,7 @@ from tests.helpers.tiny_models import write_tiny_model  # noqa: E402
 # the end. Order among the rest, and within every file, is unchanged.
 LONGEST_FIRST = (
     "tests/examples/test_grpo_async.py",
+    "tests/exactness/test_exactness.py",
     "tests/examples/",
     "tests/engine/test_async_llm.py",
     "tests/ray/",

@@ -126,9 +126,15 @@ class Request:
             self.grammar.accept(token_id)
 
     def reset_for_recompute(self) -> None:
-        """Forget computed KV (preemption, cache drop); the tokens themselves are kept."""
+        """Forget computed KV (preemption, cache drop); the tokens themselves are kept.
+        Before the first output token the routed experts read so far are forgotten too
+        (never sent: they ride on outputs): no token came from them, and the first one
+        will come from the recomputed positions, maybe under newer weights."""
         self.num_computed_tokens = 0
         self.block_ids = []
+        if not self.output_token_ids:
+            self.routed_experts = []
+            self.routed_experts_end = 0
 
     def __repr__(self) -> str:
         return (

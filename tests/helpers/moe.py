@@ -1,12 +1,14 @@
 """Mixture-of-experts checkpoints for tests: per-expert tensors restacked under transformers
 5's names (`mlp.experts.gate_up_proj` [experts, 2 x inter, hidden], gate rows then up rows;
 `mlp.experts.down_proj` [experts, hidden, inter]), what a trainer holding a transformers 5
-model sends."""
+model sends; and the experts transformers' router chooses (`router_top_k`), the reference
+for routing replay."""
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import torch
 
 _EXPERT = re.compile(
@@ -39,3 +41,18 @@ def stacked_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         )
         out[f"{layer}.mlp.experts.down_proj"] = torch.stack([part(e, _DOWN) for e in experts])
     return out
+
+
+def router_top_k(model, router_logits, length: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ANN001
+    """From a transformers mixture of experts and the router logits of one forward over
+    `length` positions: the router probabilities [positions, decoder layers, experts]
+    and their top-k [positions, decoder layers, top_k] (dense layers: zero rows)."""
+    top_k = model.config.num_experts_per_tok
+    layers = model.model.layers
+    sparse = [i for i, layer in enumerate(layers) if hasattr(layer.mlp, "gate")]
+    probs = torch.zeros(length, len(layers), router_logits[0].shape[-1])
+    for layer, r in zip(sparse, router_logits, strict=True):
+        probs[:, layer] = torch.softmax(r.float(), dim=-1)
+    rows = torch.topk(probs, top_k, dim=-1).indices
+    rows[:, [i for i in range(len(layers)) if i not in sparse]] = 0
+    return probs.numpy(), rows.numpy()

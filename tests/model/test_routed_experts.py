@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hotswap import LLM, SamplingParams
+from tests.helpers.moe import router_top_k
 from tests.model.test_parity import PROMPTS
 
 # Engines, one or more per test: slow.
@@ -25,14 +26,9 @@ def reference_experts(model_dir, ids: list[int]) -> np.ndarray:  # noqa: ANN001
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    top_k = model.config.num_experts_per_tok
     with torch.no_grad():
         logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
-    sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
-    rows = torch.zeros(len(ids), len(model.model.layers), top_k, dtype=torch.long)
-    for layer, r in zip(sparse, logits, strict=True):
-        rows[:, layer] = torch.topk(torch.softmax(r.float(), dim=-1), top_k, dim=-1).indices
-    return rows.numpy()
+    return router_top_k(model, logits, len(ids))[1]
 
 
 def engine(model_dir, **kw) -> LLM:  # noqa: ANN001
