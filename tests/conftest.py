@@ -31,6 +31,7 @@ from tests.helpers.tiny_models import write_tiny_model  # noqa: E402
 LONGEST_FIRST = (
     "tests/examples/test_grpo_async.py",
     "tests/exactness/test_exactness.py",
+    "tests/model/cuda/test_graphs.py",
     "tests/examples/",
     "tests/engine/test_async_llm.py",
     "tests/ray/",

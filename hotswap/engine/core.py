@@ -73,7 +73,9 @@ class EngineCore:
         runner, scheduler, sleep_state = self.runner, self.scheduler, self.sleep_state
         self.request_manager = RequestManager(config, scheduler, runner, self.versions, self.loras)
         self.rpc = WorkerRpc(config, runner)
-        self.pause_manager = PauseManager(scheduler, self.request_manager)
+        self.pause_manager = PauseManager(
+            scheduler, self.request_manager, lambda: sleep_state.weights_missing
+        )
         self.sleep_manager = SleepManager(
             config.enable_sleep_mode, sleep_state, self.pause_manager, runner, self.weight_sync
         )

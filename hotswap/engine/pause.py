@@ -3,6 +3,9 @@ pause call may return."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from hotswap.engine.errors import EngineStateError
 from hotswap.engine.messages import EngineCoreOutput
 from hotswap.engine.request_manager import RequestManager
 from hotswap.engine.scheduler import PauseState, Scheduler
@@ -17,14 +20,28 @@ class PauseManager:
     the loop checks it between steps, never mid-step; only `unpause` loosens the state.
     A resume is deferred while the engine sleeps: `SleepManager.resume` owns that."""
 
-    def __init__(self, scheduler: Scheduler, requests: RequestManager) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        requests: RequestManager,
+        weights_missing: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.scheduler = scheduler
         self.requests = requests
+        self.weights_missing = weights_missing  # no step runs until weights are loaded
 
     def pause(self, mode: str, clear_cache: bool = True) -> list[EngineCoreOutput]:
         """Enter the pause state for `mode` (never loosening a stricter one). Returns the
         outputs of requests aborted by `abort` mode; `pause_complete()` tells when the
-        caller may return, and `finish_pause()` must run then."""
+        caller may return, and `finish_pause()` must run then. A `wait` that could never
+        end (started requests, and no step can run until weights are loaded again) is
+        refused before anything changes."""
+        if mode == "wait" and self.weights_missing() and self.scheduler.has_started_requests():
+            raise EngineStateError(
+                "mode: 'wait' would never return: started requests cannot finish while the "
+                "weights are missing (discarded by sleep level 2, or an update failed "
+                "midway); load weights first, or pause with mode 'keep' or 'abort'"
+            )
         outputs = self.requests.abort(list(self.scheduler.requests)) if mode == "abort" else []
         wanted = PauseState.PAUSED_ALL if mode == "keep" else PauseState.PAUSED_NEW
         self.scheduler.set_pause_state(max(self.scheduler.pause_state, wanted))

@@ -160,6 +160,30 @@ def test_level2_discards_weights_until_loaded_from_disk(make_engine, tiny_llama)
     asyncio.run(scenario())
 
 
+def test_a_wait_pause_that_could_never_end_is_refused(make_engine, tiny_llama) -> None:
+    """After a level-2 sleep no step runs until weights are loaded, so a request frozen
+    mid-generation could never finish: a `wait` pause is refused (409) and changes
+    nothing, where it would hang; a `keep` pause is taken, and the request ends exactly
+    once weights are back."""
+
+    async def scenario() -> None:
+        llm = make_engine()
+        expected = await tokens_of(llm, PROMPT, "before")
+        running = asyncio.ensure_future(tokens_of(llm, PROMPT, "frozen"))
+        await until(lambda: core_of(llm).scheduler.has_started_requests(), "it started")
+        await llm.sleep(2, mode="keep")
+        await llm.wake_up()
+        with pytest.raises(EngineStateError, match="mode: 'wait' would never return"):
+            await asyncio.wait_for(llm.pause_generation(mode="wait"), 10)  # not a hang
+        assert not await llm.is_paused()
+        await llm.pause_generation(mode="keep")
+        await llm.load_weights_from_disk(str(tiny_llama), "reloaded")
+        await llm.resume_generation()
+        assert await asyncio.wait_for(running, 30) == expected
+
+    asyncio.run(scenario())
+
+
 def test_bad_checkpoint_changes_nothing(make_engine, tiny_llama, tmp_path) -> None:
     async def scenario() -> None:
         llm = make_engine()

@@ -225,7 +225,8 @@ class Driver:
     def _may_wait(self, mode: str) -> bool:
         """A `wait` pause (or sleep) waits for started requests to finish, which they
         cannot while the weights are missing (after a level-2 sleep, until a whole model
-        is loaded): it would wait until another client loaded weights. Skipped then."""
+        is loaded): the engine refuses it then (tests/engine/test_sleep.py), so the
+        schedule skips it."""
         return mode != "wait" or not self.weights_missing
 
     async def _sleep(self, step: Sleep) -> str | None:
