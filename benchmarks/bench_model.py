@@ -20,13 +20,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = {
     # Qwen3-0.6B's body (hidden 1024, 28 layers, 16 query / 8 key-value heads of 128,
     # intermediate 3072, per-head q/k norms), SmolLM2's vocabulary, tied: 491M parameters
-    "qwen3-0.6b": dict(arch="Qwen3ForCausalLM", hidden_size=1024, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       intermediate_size=3072),  # fmt: skip
+    "qwen3-0.6b": dict(
+        arch="Qwen3ForCausalLM",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+    ),  # fmt: skip
     # the same layout, small: for checking a benchmark script on a CPU
-    "qwen3-tiny": dict(arch="Qwen3ForCausalLM", hidden_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                       intermediate_size=256),  # fmt: skip
+    "qwen3-tiny": dict(
+        arch="Qwen3ForCausalLM",
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+    ),  # fmt: skip
 }
 
 

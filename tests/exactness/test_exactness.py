@@ -99,8 +99,8 @@ def test_fixed_seed_budget_through_the_http_server(bank: WeightBank) -> None:
         checker.close()
 
 
-# CI runs the slow set too: a minute each (python -m tests.exactness runs longer budgets)
-LONG_S = 60.0
+# CI runs the slow set too: half a minute each (python -m tests.exactness runs longer)
+LONG_S = 30.0
 # the budget, a failure's shrinking (60 s) and a hang's deadlines: beyond pytest's 300 s
 LONG_TIMEOUT_S = int(LONG_S) + 300
 
@@ -108,7 +108,7 @@ LONG_TIMEOUT_S = int(LONG_S) + 300
 @pytest.mark.slow
 @pytest.mark.timeout(LONG_TIMEOUT_S)
 def test_long_budget_through_the_python_api(python_checker: Checker) -> None:
-    _budget_run(python_checker, seed=1, seconds=LONG_S, min_schedules=20)
+    _budget_run(python_checker, seed=1, seconds=LONG_S, min_schedules=10)
 
 
 @pytest.mark.slow
@@ -116,7 +116,7 @@ def test_long_budget_through_the_python_api(python_checker: Checker) -> None:
 def test_long_budget_through_the_http_server(bank: WeightBank) -> None:
     checker = Checker(bank, "http")
     try:
-        _budget_run(checker, seed=1, seconds=LONG_S, min_schedules=8)  # both servers
+        _budget_run(checker, seed=1, seconds=LONG_S, min_schedules=4)  # past HTTP_RUN: 2 servers
     finally:
         checker.close()
 
