@@ -14,7 +14,7 @@ the time left (a stage cut short is recorded as timed out, and the next one runs
    hotswap eager and transformers (transformers up to 64 requests).
 4. engine: tests/model/cuda/test_cuda_engine.py (graphs = eager = CPU tokens, a sleep,
    one host read per graphed step, a mid-flight swap with graphs on equal to a fresh
-   engine) and tests/model/test_device.py.
+   engine) and tests/execution/test_device.py.
 5. profile: benchmarks/gpu_profile.py (GPU busy time over wall time, launches and host
    syncs per step, graphs and eager).
 6. in_flight: benchmarks/in_flight.py --device cuda --backend ipc (generation during an
@@ -57,7 +57,7 @@ def stages(out: Path) -> list[tuple[str, list[str], int]]:
                         f"transformers eager --peer-max-requests 64 --repeats 1 "
                         f"--engine-args '{ENGINE_ARGS}' --json {out / 'throughput.json'}"], 210),
         ("engine", pytest + ["tests/model/cuda/test_cuda_engine.py",
-                             "tests/model/test_device.py"], 150),
+                             "tests/execution/test_device.py"], 150),
         ("profile", [PY, "benchmarks/gpu_profile.py", "--model", model, "--json",
                      str(out / "profile.json")], 90),
         ("in_flight", [PY, "benchmarks/in_flight.py", "--device", "cuda", "--backend", "ipc",

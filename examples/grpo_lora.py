@@ -39,7 +39,7 @@ from grpo_async import (
 from grpo_async import parse_args as recipe_args
 
 from hotswap.default_model import default_model_dir
-from hotswap.lora_request import LoRARequest
+from hotswap.lora.request import LoRARequest
 from hotswap.rl import adapter_source, push_adapter
 from hotswap.sampling_params import SamplingParams
 from hotswap.weight_transfer import IPCTrainerInitInfo, WeightTransferTrainerFactory

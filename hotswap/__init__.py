@@ -2,7 +2,7 @@
 
 from hotswap.engine.async_llm import AsyncLLM, EngineDeadError
 from hotswap.engine.llm import LLM
-from hotswap.lora_request import LoRARequest
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 

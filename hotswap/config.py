@@ -15,7 +15,7 @@ from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.config import WeightTransferConfig
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-# vLLM's --attention-backend names hotswap runs (model/kernel_choice.py): its Triton
+# vLLM's --attention-backend names hotswap runs (execution/kernel_choice.py): its Triton
 # kernels, its CPU kernels, torch operators.
 ATTENTION_BACKENDS = ("TRITON_ATTN", "CPU_ATTN", "TORCH_SDPA")
 
@@ -128,7 +128,7 @@ class EngineConfig:
     data_parallel_rank: int = 0  # which engine core this is (unseeded sampling differs)
     # ranks the model is split over (model/parallel.py): rank 0 here, the others workers
     tensor_parallel_size: int = 1
-    # where ranks 1.. run: "mp" worker processes, "ray" actors (hotswap.ray.tp_workers)
+    # where ranks 1.. run: "mp" worker processes, "ray" actors (hotswap.ray.ranks)
     distributed_executor_backend: str = "mp"
     logprobs_mode: str = "raw_logprobs"  # vLLM's: raw_/processed_ logprobs/logits
     # Disk reloads read only files whose real path lies under one of these (real paths).

@@ -8,7 +8,7 @@ from pathlib import Path
 
 # The suite runs its engines eagerly: compiling decode steps costs seconds per engine (a
 # minute the first time on a machine). torch's own switch, so engine subprocesses the
-# tests start inherit it; tests/model/test_compiled.py turns compilation back on.
+# tests start inherit it; tests/execution/test_compiled.py turns compilation back on.
 os.environ["TORCH_COMPILE_DISABLE"] = "1"
 
 import torch  # noqa: E402 - importing torch alone does not import Triton
@@ -31,11 +31,11 @@ from tests.helpers.tiny_models import write_tiny_model  # noqa: E402
 LONGEST_FIRST = (
     "tests/examples/test_grpo_async.py",
     "tests/exactness/test_exactness.py",
-    "tests/model/cuda/test_graphs.py",
+    "tests/execution/test_cuda_graphs.py",
     "tests/examples/",
     "tests/engine/test_async_llm.py",
     "tests/ray/",
-    "tests/model/test_compiled.py",
+    "tests/execution/test_compiled.py",
     "tests/reliability/test_soak.py",
 )
 

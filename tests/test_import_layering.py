@@ -34,20 +34,37 @@ LAYERS = {
     "hotswap.msgspec_errors": 0,
     "hotswap.weight_transfer.config": 0,
     "hotswap.errors": 0,
-    "hotswap.lora_request": 0,
+    "hotswap.lora": 0,  # the package itself (empty); its modules by their own layers
+    "hotswap.lora.request": 0,
     "hotswap.structured_output": 0,
     "hotswap.generation_config": 0,
-    # 1: the model, its loader and sampler
+    # 1: the networks and their kernels; step execution beside them (runner, sampler, CUDA
+    # graphs); what every rank does with its weights (its double buffer, the writes every
+    # rank makes, residency while asleep, checkpoint files); LoRA adapters in the layers
     "hotswap.model": 1,
+    "hotswap.execution": 1,
+    "hotswap.weights.double_buffer": 1,
+    "hotswap.weights.rank_writes": 1,
+    "hotswap.weights.residency": 1,
+    "hotswap.weights.checkpoint": 1,
+    "hotswap.lora.adapter": 1,
+    "hotswap.lora.layers": 1,
+    "hotswap.lora.stage": 1,
     # 2: weight-transfer backends, trainer side, clients
     "hotswap.weight_transfer": 2,
-    # 3: scheduler, engine core, front-ends (LLM, AsyncLLM)
+    # 3: scheduler, engine core, front-ends (LLM, AsyncLLM); the engine's weight rounds and
+    # versions (hotswap.weights), its LoRA adapters by name; ranks 1.. as processes (they
+    # answer the engine's RPCs)
     "hotswap.engine": 3,
+    "hotswap.weights": 3,
+    "hotswap.lora.manager": 3,
+    "hotswap.execution.rank_process": 3,
     # 4: the facade re-exporting LLM, AsyncLLM, SamplingParams, ...
     "hotswap": 4,
     # 5: applications of the engine
     "hotswap.rl": 5,
     "hotswap.entrypoints": 5,
+    "hotswap.lora.modules": 5,
     "hotswap.__main__": 5,
     # 6: the optional Ray integration; no other module may import it
     "hotswap.ray": 6,
@@ -58,7 +75,7 @@ LAYERS = {
     # ... and tensor-parallel worker ranks as Ray actors, which hotswap.ray.dp's cores place
     # on their groups (the model layer names it only as a module to load, for
     # distributed_executor_backend "ray")
-    "hotswap.ray.tp_workers": 3,
+    "hotswap.ray.ranks": 3,
 }
 RAY_PACKAGE = "hotswap.ray"
 

@@ -33,7 +33,7 @@ from hotswap.engine.prompts import (
 from hotswap.engine.verb_methods import async_verb_method
 from hotswap.engine.verbs import Args, make_args, verb_name
 from hotswap.engine_args import EngineArgs
-from hotswap.lora_request import LoadedAdapters, LoRARequest
+from hotswap.lora.request import LoadedAdapters, LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer

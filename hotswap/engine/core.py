@@ -23,7 +23,6 @@ import torch
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion
 from hotswap.engine.errors import EngineStateError
-from hotswap.engine.lora import LoRAManager
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
 from hotswap.engine.pause import PauseManager
 from hotswap.engine.request_manager import RequestManager
@@ -32,10 +31,11 @@ from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sleep import SleepManager, SleepState
 from hotswap.engine.stats import EngineStats
 from hotswap.engine.verbs import InlineTensor
-from hotswap.engine.weight_sync import WeightSync
-from hotswap.engine.weights import WeightManager
 from hotswap.errors import InvalidArgument
-from hotswap.model.runner import ModelRunner
+from hotswap.execution.runner import ModelRunner
+from hotswap.lora.manager import LoRAManager
+from hotswap.weights.manager import WeightManager
+from hotswap.weights.sync import WeightSync
 
 
 class EngineCore:

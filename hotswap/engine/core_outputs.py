@@ -9,8 +9,8 @@ import numpy as np
 
 from hotswap.engine.messages import EngineCoreOutput, RoutedExpertsMsg, TokenLogprobsMsg
 from hotswap.engine.request import Request
-from hotswap.model.runner import RunnerOutput
-from hotswap.model.sampler import TokenLogprobs
+from hotswap.execution.runner import RunnerOutput
+from hotswap.execution.sampler import TokenLogprobs
 
 DEFAULT_WEIGHT_LABEL = "default"
 

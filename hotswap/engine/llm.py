@@ -20,8 +20,8 @@ from hotswap.engine.prompts import Prompt, encode_prompt, prepare_params, prompt
 from hotswap.engine.verb_methods import verb_method
 from hotswap.engine.verbs import make_args
 from hotswap.engine_args import EngineArgs
-from hotswap.lora_request import LoadedAdapters, LoRARequest
-from hotswap.model.host_memory import return_freed_memory
+from hotswap.execution.host_memory import return_freed_memory
+from hotswap.lora.request import LoadedAdapters, LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer

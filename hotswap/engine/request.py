@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from hotswap.model.lora_adapter import AdapterWeights
+from hotswap.lora.adapter import AdapterWeights
 from hotswap.sampling_params import SamplingParams
 from hotswap.structured_output import GrammarMatcher
 

@@ -7,13 +7,13 @@ from collections.abc import Iterable, Mapping
 
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion, finished_output, step_output
-from hotswap.engine.lora import LoRAManager
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
 from hotswap.engine.prompts import check_prompt
 from hotswap.engine.request import Request, RequestStatus
 from hotswap.engine.scheduler import PauseState, Scheduler, SchedulerOutput
 from hotswap.errors import InvalidArgument
-from hotswap.model.runner import ModelRunner
+from hotswap.execution.runner import ModelRunner
+from hotswap.lora.manager import LoRAManager
 from hotswap.structured_output import LazyGrammarCompiler
 
 

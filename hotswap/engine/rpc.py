@@ -7,12 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 from hotswap.config import EngineConfig
-from hotswap.engine.worker import WorkerExtension, load_extension_class
+from hotswap.engine.extension import WorkerExtension, load_extension_class
 from hotswap.errors import InvalidArgument
+from hotswap.execution.runner import ModelRunner
 from hotswap.model.parallel import TPGroup
-from hotswap.model.runner import ModelRunner
 
-RPC_CALL = "worker_rpc"  # the call rank 0 sends the other ranks (engine/tp_worker.py)
+RPC_CALL = "worker_rpc"  # the call rank 0 sends the other ranks (execution/rank_process.py)
 
 
 class WorkerRpc:

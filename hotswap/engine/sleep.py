@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from hotswap.engine.errors import EngineStateError
 from hotswap.engine.messages import EngineCoreOutput
 from hotswap.engine.pause import PauseManager
-from hotswap.engine.weight_sync import WeightSync
-from hotswap.model.runner import ModelRunner
+from hotswap.execution.runner import ModelRunner
+from hotswap.weights.sync import WeightSync
 
 WEIGHTS, KV_CACHE, SCHEDULING = "weights", "kv_cache", "scheduling"
 SLEEP_TAGS = (WEIGHTS, KV_CACHE, SCHEDULING)

@@ -9,8 +9,8 @@ from collections import deque
 from hotswap.engine.core_outputs import WeightVersion
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sleep import SleepState
-from hotswap.engine.weight_sync import WeightSync
-from hotswap.model.runner import ModelRunner
+from hotswap.execution.runner import ModelRunner
+from hotswap.weights.sync import WeightSync
 
 STEP_TIMES_KEPT = 256
 

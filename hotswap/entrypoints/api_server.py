@@ -29,11 +29,11 @@ from hotswap.entrypoints.dialects.trl import trl_router
 from hotswap.entrypoints.dialects.vllm import vllm_router
 from hotswap.entrypoints.errors import error_response, install_error_handlers
 from hotswap.entrypoints.limits import HTTPGuard
-from hotswap.entrypoints.lora import AdapterIds, load_lora_modules
 from hotswap.entrypoints.metrics import ServerMetrics
 from hotswap.entrypoints.openai.lora_routes import lora_router
 from hotswap.entrypoints.openai.routes import openai_router
 from hotswap.entrypoints.state import ServerConfig, get_engine, get_metrics
+from hotswap.lora.modules import AdapterIds, load_lora_modules
 
 logger = logging.getLogger(__name__)
 

@@ -111,8 +111,8 @@ def run_serve(args: argparse.Namespace) -> None:
 
     from hotswap.default_model import DEFAULT_MODEL_NAME
     from hotswap.entrypoints.api_server import run_server
-    from hotswap.entrypoints.lora import parse_lora_modules
     from hotswap.entrypoints.state import ServerConfig
+    from hotswap.lora.modules import parse_lora_modules
     from hotswap.structured_output import StructuredOutputsConfig
 
     if args.model_tag and args.model and args.model_tag != args.model:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from hotswap.entrypoints.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
-from hotswap.entrypoints.lora import AdapterIds, LoRAModulePath
+from hotswap.lora.modules import AdapterIds, LoRAModulePath
 from hotswap.structured_output import StructuredOutputsConfig
 
 if TYPE_CHECKING:

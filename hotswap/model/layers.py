@@ -89,7 +89,7 @@ class Linear(nn.Module):
         # set by the runner when its kernels apply / weights are prepacked
         self.matvec: MatVec | None = None
         self.packed: PackedWeight | None = None
-        # adapter slots (model/lora.py LinearLoRA), set by the runner with --enable-lora
+        # adapter slots (lora/layers.py LinearLoRA), set by the runner with --enable-lora
         self.lora: Any = None
         # Row-parallel (tensor parallelism): this rank's product is a partial sum over its
         # input columns, summed across ranks (model/parallel.py TPGroup); the bias, whole on

@@ -14,7 +14,7 @@ from hotswap.errors import InvalidArgument
 from hotswap.model.attention import AttentionBackend
 from hotswap.model.models.registry import get_model_class
 from hotswap.model.parallel import TPGroup
-from hotswap.model.safetensors_io import iter_safetensors, num_tensors, safetensors_files
+from hotswap.weights.checkpoint import iter_safetensors, num_tensors, safetensors_files
 
 
 def build_model(

@@ -1,7 +1,7 @@
 """Tensor parallelism: the group of ranks one engine core runs its model on, and where a
 checkpoint tensor's slice lies on each of them (vLLM's column/row/vocab-parallel layouts).
 
-Rank 0 runs inside the engine core, ranks 1.. are worker processes (tp_workers.py); the
+Rank 0 runs inside the engine core, ranks 1.. are worker processes (execution/ranks.py); the
 group is a gloo process group on the CPU (NCCL on CUDA), built from its own TCPStore, never
 the global default group (a trainer's or a broadcast backend's group may exist beside it).
 """

@@ -24,7 +24,7 @@ from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import Prompt
 from hotswap.engine.verb_methods import async_verb_method
 from hotswap.errors import InvalidArgument
-from hotswap.lora_request import LoRARequest
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.ray.transfer import OBJECT, deliver
 from hotswap.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ requests a PUSH socket deals out, or forge outputs. The ObjectRef of `run` is th
 signal: once it is ready the core has ended or its actor has died. Each rank has its own
 placement group (vLLM's layout): one bundle per tensor-parallel rank (STRICT_PACK: they
 meet on the node's loopback), the core on bundle 0, its worker actors on the others
-(`hotswap.ray.tp_workers`).
+(`hotswap.ray.ranks`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from hotswap.engine.core_client import CoreRunner, EngineCoreClient, MPEngineCli
 from hotswap.engine.core_proc import run_engine_core
 from hotswap.engine.dp_client import RankLauncher, rank_args
 from hotswap.engine_args import EngineArgs
-from hotswap.ray.tp_workers import GROUP_PREFIX
+from hotswap.ray.ranks import GROUP_PREFIX
 
 NAMESPACE = "hotswap"  # the ranks' actors are named hotswap-dp-rank-{rank}-{tag} in it
 PLACEMENT_TIMEOUT_S = 120.0
@@ -204,7 +204,7 @@ def _init_ray(address: str | None) -> bool:
 
 def _reserve(engine_args: EngineArgs, rank: int, tag: str) -> PlacementGroup:
     """Rank `rank`'s group: one bundle per tensor-parallel rank, named as a tensor-parallel
-    group (`tp_workers.GROUP_PREFIX`) so the core places its workers on it."""
+    group (`ranks.GROUP_PREFIX`) so the core places its workers on it."""
     size = engine_args.tensor_parallel_size
     bundles = [rank_resources(ray_rank_args(engine_args, rank)) for _ in range(size)]
     group = placement_group(bundles, strategy="STRICT_PACK" if size > 1 else "PACK",

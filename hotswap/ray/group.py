@@ -19,7 +19,7 @@ from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from hotswap.engine.verb_methods import verb_method
-from hotswap.lora_request import LoRARequest
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.rl.engine_group import EngineGroup
 from hotswap.sampling_params import SamplingParams

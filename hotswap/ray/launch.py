@@ -4,7 +4,7 @@ engine (its CPUs, and on GPUs its GPU), all started and loaded before it returns
 With `tensor_parallel_size` > 1 in the engine arguments each engine gets a placement group
 of its own, as vLLM gives each data-parallel rank: one bundle per tensor-parallel rank
 (the engine's CPUs and GPUs shared out), STRICT_PACK since the ranks meet on the node's
-loopback, named as a tensor-parallel group (`tp_workers.GROUP_PREFIX`); the engine actor
+loopback, named as a tensor-parallel group (`ranks.GROUP_PREFIX`); the engine actor
 (rank 0) sits on bundle 0 and starts its worker ranks as actors on the others."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hotswap.errors import InvalidArgument
 from hotswap.ray.actor import EngineActor
-from hotswap.ray.tp_workers import GROUP_PREFIX
+from hotswap.ray.ranks import GROUP_PREFIX
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 

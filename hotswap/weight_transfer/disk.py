@@ -18,7 +18,6 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from hotswap.errors import InvalidArgument, nested
-from hotswap.model.safetensors_io import iter_safetensors, safetensors_files
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
 from hotswap.weight_transfer.infos import MAX_PATH_CHARS, DiskInfo, Info, parse_info
@@ -27,6 +26,7 @@ from hotswap.weight_transfer.trainer import (
     TrainerWeightTransferEngine,
     register_trainer,
 )
+from hotswap.weights.checkpoint import iter_safetensors, safetensors_files
 
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 INDEX_FILE = "model.safetensors.index.json"

@@ -105,7 +105,7 @@ def test_vllm_kv_cache_memory_bytes_flag_sets_the_budget() -> None:
 
 def test_lora_modules_take_vllm_forms() -> None:
     """`--lora-modules name=path` or JSON (vLLM's forms), several per flag or flag."""
-    from hotswap.entrypoints.lora import LoRAModulePath, parse_lora_modules
+    from hotswap.lora.modules import LoRAModulePath, parse_lora_modules
 
     json_form = '{"name": "sql", "path": "/a/sql", "base_model_name": "base"}'
     argv = ["serve", "m", "--lora-modules", "tone=/a/tone", json_form, "--lora-modules", "x=/y=z"]

@@ -105,7 +105,7 @@ class RecordedGraph:
 
 
 class RecordingCapture:
-    """`GraphCapture` (model/cuda/graphs.py) on the CPU."""
+    """`GraphCapture` (execution/cuda_graphs.py) on the CPU."""
 
     def __init__(self) -> None:
         self.graphs: list[RecordedGraph] = []

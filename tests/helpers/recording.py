@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from hotswap.model.sampler import Sampler, SamplingBatch
+from hotswap.execution.sampler import Sampler, SamplingBatch
 
 
 class RecordingSampler(Sampler):

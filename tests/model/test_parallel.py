@@ -14,14 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hotswap.engine.weight_targets import WeightTargets
 from hotswap.errors import InvalidArgument
 from hotswap.model.models.registry import get_model_class
 from hotswap.model.models.sharding import vocab_rows
 from hotswap.model.parallel import HeadLayout, ShardSlice, TPGroup
-from hotswap.model.rank_weights import RankWeights
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.m2n import checked_parts
+from hotswap.weights.rank_writes import RankWeights
+from hotswap.weights.targets import WeightTargets
 from tests.helpers.moe import stacked_experts
 
 

@@ -18,7 +18,7 @@ from hotswap.weight_transfer import (
     ModuleSource,
     WeightTransferTrainerFactory,
 )
-from tests.model.test_routed_experts import reference_experts
+from tests.execution.test_routed_experts import reference_experts
 from tests.weight_transfer.conftest import free_port, trainer_model
 from tests.weight_transfer.test_mid_flight_swap import (
     ENGINE,

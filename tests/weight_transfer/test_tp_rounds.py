@@ -17,9 +17,9 @@ from hotswap.weight_transfer import diff_patches
 from hotswap.weight_transfer.base import ModuleSource, TensorSource
 from tests.weight_transfer.conftest import trainer_model
 from tests.weight_transfer.test_bad_input import send
-from tests.weight_transfer.test_double_buffer import abort_round, digest, norm_of
-from tests.weight_transfer.test_double_buffer import send as send_source
 from tests.weight_transfer.test_sparse import trainer
+from tests.weights.test_double_buffer import abort_round, digest, norm_of
+from tests.weights.test_double_buffer import send as send_source
 
 # Two-rank engines (a worker process each) and their references: slow.
 pytestmark = pytest.mark.slow

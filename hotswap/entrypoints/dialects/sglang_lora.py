@@ -22,12 +22,12 @@ from fastapi.responses import JSONResponse
 
 from hotswap.engine.errors import EngineStateError
 from hotswap.entrypoints.errors import APIError, bad_request, error_body
-from hotswap.entrypoints.lora import load_adapter, not_found
 from hotswap.entrypoints.openai.lora_routes import refusal
 from hotswap.entrypoints.openai.params import served_model_name
 from hotswap.entrypoints.state import get_engine, get_lora_ids
 from hotswap.entrypoints.verb_routes import read_body_fields
 from hotswap.errors import InvalidArgument
+from hotswap.lora.modules import load_adapter, not_found
 
 LOAD_FIELDS = frozenset({"lora_name", "lora_path", "pinned", "lora_id"})
 UNLOAD_FIELDS = frozenset({"lora_name", "lora_id"})

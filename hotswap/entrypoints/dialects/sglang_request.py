@@ -33,7 +33,7 @@ from hotswap.entrypoints.openai.params import (
 from hotswap.entrypoints.openai.protocol import RequestModel
 from hotswap.entrypoints.state import get_server_config
 from hotswap.errors import InvalidArgument
-from hotswap.lora_request import LoRARequest
+from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import (
     MAX_LOGPROBS,
     RequestOutputKind,

@@ -20,11 +20,11 @@ import logging
 from fastapi import APIRouter, Request, Response
 
 from hotswap.entrypoints.errors import APIError
-from hotswap.entrypoints.lora import load_adapter, not_found
 from hotswap.entrypoints.openai.params import check_unknown_fields, served_model_name
 from hotswap.entrypoints.openai.protocol import RequestModel
 from hotswap.entrypoints.state import get_engine, get_lora_ids
 from hotswap.errors import InvalidArgument
+from hotswap.lora.modules import load_adapter, not_found
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from hotswap.entrypoints.openai.protocol import (
     SamplingRequest,
 )
 from hotswap.entrypoints.state import get_engine, get_lora_ids, get_server_config
-from hotswap.lora_request import LoRARequest
+from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)

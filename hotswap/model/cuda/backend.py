@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hotswap.execution.step_inputs import StepBatch, StepInputs
 from hotswap.model.attention import (
     AttentionMetadata,
     CacheSpec,
@@ -23,7 +24,6 @@ from hotswap.model.attention import (
 )
 from hotswap.model.cuda import ops
 from hotswap.model.cuda.staging import Staging
-from hotswap.model.step_inputs import StepBatch, StepInputs
 
 # Programs the decode kernel should launch at least (about two per multiprocessor of a
 # large GPU): fewer sequences x kv heads split their context into more ranges. Triton's

@@ -44,12 +44,12 @@ class LlamaForCausalLM(nn.Module):
     o_bias: bool | None = None
     qk_norm = False
     qk_norm_per_head = True
-    compilable = True  # decode steps may run as compiled graphs (model/compiled.py)
+    compilable = True  # decode steps may run as compiled graphs (execution/compiled.py)
     tensor_parallel = True  # splits over ranks (sharding.py); else refused with a TP size
 
     @property
     def graphable(self) -> bool:
-        """Whether decode steps may replay as CUDA graphs (model/cuda/graphs.py)."""
+        """Whether decode steps may replay as CUDA graphs (execution/cuda_graphs.py)."""
         return True
 
     def __init__(

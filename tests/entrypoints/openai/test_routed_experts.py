@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.execution.test_routed_experts import reference_experts
 from tests.helpers.server import RemoteServer
-from tests.model.test_routed_experts import reference_experts
 
 # One server for the module: slow.
 pytestmark = pytest.mark.slow

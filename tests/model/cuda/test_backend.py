@@ -14,7 +14,7 @@ import torch
 from hotswap import LLM, SamplingParams
 from hotswap.engine_args import EngineArgs
 from hotswap.errors import InvalidArgument
-from hotswap.model.kernel_choice import choose_kernels
+from hotswap.execution.kernel_choice import choose_kernels
 from tests.helpers.recording import record_logits
 from tests.model.cuda.conftest import DEVICE
 
