@@ -5,7 +5,7 @@ route, against `hotswap serve` processes, on the same data.
   `/update_weights_from_distributed` {names, dtypes, shapes, group_name, flush_cache: false,
   weight_version} while the trainer posts one `dist.broadcast` per tensor, in `names`
   order and in its own dtype, and waits for them all: slime's sequence, driven exactly as
-  tests/entrypoints/dialects/test_sglang_weights.py drives it (the trainer's group made
+  tests/entrypoints/sglang/test_weights.py drives it (the trainer's group made
   with torch's process-group helpers under a group name, as slime, SGLang and AReaL do).
   Always unpacked: one broadcast per tensor.
 - vllm packed / vllm unpacked: hotswap's trainer API (`GlooTrainerInitInfo`,

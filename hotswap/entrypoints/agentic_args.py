@@ -7,7 +7,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hotswap.entrypoints.state import ServerConfig
+    from hotswap.entrypoints.server.state import ServerConfig
 
 
 def add_agentic_args(group: argparse._ArgumentGroup) -> None:

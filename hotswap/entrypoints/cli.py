@@ -77,7 +77,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def add_limit_args(group: argparse._ArgumentGroup) -> None:
-    from hotswap.entrypoints.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+    from hotswap.entrypoints.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 
     group.add_argument(
         "--max-request-body-bytes",
@@ -110,8 +110,8 @@ def run_serve(args: argparse.Namespace) -> None:
     import os
 
     from hotswap.default_model import DEFAULT_MODEL_NAME
-    from hotswap.entrypoints.api_server import run_server
-    from hotswap.entrypoints.state import ServerConfig
+    from hotswap.entrypoints.server.app import run_server
+    from hotswap.entrypoints.server.state import ServerConfig
     from hotswap.lora.modules import parse_lora_modules
     from hotswap.structured_output import StructuredOutputsConfig
 

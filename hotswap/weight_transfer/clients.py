@@ -179,7 +179,7 @@ class HTTPWeightSyncClient(VerbClient):
         self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
 
     def _verb(self, verb: str, **arguments: Any) -> Any:
-        """The verb's route of `hotswap serve` (hotswap/entrypoints/dialects/vllm.py; this
+        """The verb's route of `hotswap serve` (hotswap/entrypoints/vllm/routes.py; this
         layer cannot import it): POST /<verb> with the arguments given a value, or GET."""
         path = _PATHS.get(verb, f"/{verb}")
         if verb in _GET_VERBS:

@@ -190,8 +190,8 @@ def test_connection_survives_a_500(v1_dir) -> None:
 
     import uvicorn
 
-    from hotswap.entrypoints.api_server import build_app
-    from hotswap.entrypoints.state import ServerConfig
+    from hotswap.entrypoints.server.app import build_app
+    from hotswap.entrypoints.server.state import ServerConfig
 
     app = build_app(engine=None, config=ServerConfig(served_model_name="tiny"))  # type: ignore[arg-type]
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from hotswap.entrypoints.cli import api_key, build_parser
-from hotswap.entrypoints.limits import bearer_matches
+from hotswap.entrypoints.server.limits import bearer_matches
 from tests.helpers.server import RemoteServer
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from hotswap.engine.errors import InvalidArgument
 from hotswap.engine.verbs import make_args
-from hotswap.entrypoints.errors import APIError
-from hotswap.entrypoints.verb_routes import VerbRoute, route_args
+from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.verb_routes import VerbRoute, route_args
 from hotswap.errors import InvalidArgument as LeafInvalidArgument
 from hotswap.weight_transfer.backends import get_backend
 from hotswap.weight_transfer.infos import (

@@ -10,8 +10,6 @@ from typing import Any
 from fastapi import Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
-from hotswap.entrypoints.errors import APIError
-from hotswap.entrypoints.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.openai.chat_tools import (
     ChoiceParser,
     check_tool_request,
@@ -66,7 +64,9 @@ from hotswap.entrypoints.openai.streaming import (
     sse,
     sse_error,
 )
-from hotswap.entrypoints.state import ServerConfig, get_engine, get_server_config
+from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
+from hotswap.entrypoints.server.state import ServerConfig, get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 
 

@@ -19,7 +19,6 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
@@ -31,7 +30,8 @@ from hotswap.entrypoints.openai.parsers import (
     make_tool_call_id,
 )
 from hotswap.entrypoints.openai.protocol import ChatCompletionRequest
-from hotswap.entrypoints.state import ServerConfig
+from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.state import ServerConfig
 from hotswap.sampling_params import StructuredOutputsParams
 
 CORRECT_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from fastapi import Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
-from hotswap.entrypoints.limits import off_loop
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
     apply_server_flags,
@@ -49,7 +48,8 @@ from hotswap.entrypoints.openai.streaming import (
     sse,
     sse_error,
 )
-from hotswap.entrypoints.state import get_engine, get_server_config
+from hotswap.entrypoints.server.limits import off_loop
+from hotswap.entrypoints.server.state import get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 from hotswap.tokenizer import Tokenizer
 

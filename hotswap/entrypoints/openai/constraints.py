@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.protocol import SamplingRequest, StructuredOutputsRequest
+from hotswap.entrypoints.server.errors import APIError
 from hotswap.errors import InvalidArgument
 from hotswap.sampling_params import StructuredOutputsParams
 from hotswap.structured_output import check_grammar

@@ -20,13 +20,13 @@ from typing import Any
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import check_prompt, prepare_params
-from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.chat_tools import gate_constraint_after_thinking
 from hotswap.entrypoints.openai.generate_protocol import GenerateRequest, GenerateSamplingParams
 from hotswap.entrypoints.openai.params import EnginePrompt, sampling_params
 from hotswap.entrypoints.openai.parsers import REASONING_PARSERS
 from hotswap.entrypoints.openai.protocol import SamplingRequest
-from hotswap.entrypoints.state import ServerConfig
+from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.state import ServerConfig
 from hotswap.errors import InvalidArgument
 from hotswap.sampling_params import SamplingParams
 

@@ -21,7 +21,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
-from hotswap.entrypoints.limits import CheckedModel
 from hotswap.entrypoints.openai.protocol import (
     I64,
     MAX_N,
@@ -32,6 +31,7 @@ from hotswap.entrypoints.openai.protocol import (
     StructuredOutputsRequest,
 )
 from hotswap.entrypoints.openai.responses import ChatLogProbsContent, PromptLogprob
+from hotswap.entrypoints.server.limits import CheckedModel
 
 OutputMode = Literal["tokens", "text"]
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, replace
 
 from fastapi import Request, Response
 
-from hotswap.entrypoints.limits import off_loop
 from hotswap.entrypoints.openai.generate_params import (
     check_unsupported_generate,
     gate_after_thinking,
@@ -67,7 +66,8 @@ from hotswap.entrypoints.openai.streaming import (
     SSEResponse,
     sse_error,
 )
-from hotswap.entrypoints.state import get_engine, get_server_config
+from hotswap.entrypoints.server.limits import off_loop
+from hotswap.entrypoints.server.state import get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.tokenizer import Tokenizer
 

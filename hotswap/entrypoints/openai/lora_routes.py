@@ -3,7 +3,7 @@
 
 vLLM registers them only when the environment sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=True;
 hotswap registers them whenever the engine serves LoRA adapters (--enable-lora), since
-that flag already says adapters come and go (`api_server.build_app`). Their answers are
+that flag already says adapters come and go (`server/app.py` `build_app`). Their answers are
 vLLM's: a plain-text 200 (`Success: LoRA adapter 'x' added successfully.`, no content
 type, as vLLM's bare `Response`), or the error envelope: 400 for a missing name or path,
 a name already loaded without `load_inplace` (`body.lora_name`) or an adapter the engine
@@ -19,10 +19,10 @@ import logging
 
 from fastapi import APIRouter, Request, Response
 
-from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.params import check_unknown_fields, served_model_name
 from hotswap.entrypoints.openai.protocol import RequestModel
-from hotswap.entrypoints.state import get_engine, get_lora_ids
+from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.state import get_engine, get_lora_ids
 from hotswap.errors import InvalidArgument
 from hotswap.lora.modules import load_adapter, not_found
 

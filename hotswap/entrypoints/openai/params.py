@@ -13,8 +13,6 @@ from fastapi import Request
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import check_prompt, encode_prompt
-from hotswap.entrypoints.errors import APIError, param_of
-from hotswap.entrypoints.limits import WarningThrottle, check_prompt_chars, printable_field
 from hotswap.entrypoints.openai.constraints import logit_bias_of, structured_outputs_of
 from hotswap.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -22,7 +20,9 @@ from hotswap.entrypoints.openai.protocol import (
     RequestModel,
     SamplingRequest,
 )
-from hotswap.entrypoints.state import get_engine, get_lora_ids, get_server_config
+from hotswap.entrypoints.server.errors import APIError, param_of
+from hotswap.entrypoints.server.limits import WarningThrottle, check_prompt_chars, printable_field
+from hotswap.entrypoints.server.state import get_engine, get_lora_ids, get_server_config
 from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from hotswap.entrypoints.limits import CheckedModel
+from hotswap.entrypoints.server.limits import CheckedModel
 
 I64 = 2**63
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs

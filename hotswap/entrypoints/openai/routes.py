@@ -1,4 +1,4 @@
-"""The routes of the OpenAI-compatible API; `api_server.build_app` includes `openai_router`."""
+"""The routes of the OpenAI-compatible API; `server/app.py` `build_app` includes `openai_router`."""
 
 from __future__ import annotations
 

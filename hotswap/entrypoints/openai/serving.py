@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 
 from hotswap.engine.async_llm import AsyncLLM
-from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.params import EnginePrompt
 from hotswap.entrypoints.openai.responses import (
     PromptLogprob,
@@ -19,6 +18,7 @@ from hotswap.entrypoints.openai.responses import (
     UsageInfo,
     WeightVersionSpanInfo,
 )
+from hotswap.entrypoints.server.errors import APIError
 from hotswap.outputs import Logprob, PromptLogprobs, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
 

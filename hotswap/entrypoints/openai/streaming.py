@@ -11,10 +11,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from hotswap.engine.errors import EngineDeadError
-from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.protocol import SamplingRequest
 from hotswap.entrypoints.openai.responses import UsageInfo
 from hotswap.entrypoints.openai.serving import make_usage
+from hotswap.entrypoints.server.errors import APIError
 from hotswap.outputs import CompletionOutput, RequestOutput
 
 SSE_DONE = "data: [DONE]\n\n"

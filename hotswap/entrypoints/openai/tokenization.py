@@ -7,8 +7,6 @@ import time
 from fastapi import Request
 
 from hotswap.engine.async_llm import AsyncLLM
-from hotswap.entrypoints.errors import APIError
-from hotswap.entrypoints.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.openai.chat import apply_template
 from hotswap.entrypoints.openai.params import check_model, served_model_name
 from hotswap.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
@@ -18,7 +16,9 @@ from hotswap.entrypoints.openai.responses import (
     ModelList,
     TokenizeResponse,
 )
-from hotswap.entrypoints.state import get_engine
+from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
+from hotswap.entrypoints.server.state import get_engine
 
 
 def list_models(request: Request) -> ModelList:

@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from hotswap.entrypoints.errors import APIError
 from hotswap.entrypoints.openai.chat_tools import (
     ChoiceParser,
     check_tool_request,
@@ -18,7 +17,8 @@ from hotswap.entrypoints.openai.chat_tools import (
 )
 from hotswap.entrypoints.openai.parsers import ParsedDelta
 from hotswap.entrypoints.openai.protocol import ChatCompletionRequest
-from hotswap.entrypoints.state import ServerConfig
+from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.state import ServerConfig
 
 TOOL = {
     "type": "function",

@@ -20,7 +20,7 @@ from hotswap.entrypoints.openai.generate_tokens import (
     take_delta,
     weight_spans_of,
 )
-from hotswap.entrypoints.state import ServerConfig
+from hotswap.entrypoints.server.state import ServerConfig
 from hotswap.outputs import CompletionOutput, Logprob, WeightVersionSpan
 from tests.entrypoints.openai.conftest import MODEL
 

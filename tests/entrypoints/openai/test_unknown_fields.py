@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from hotswap.entrypoints.limits import WarningThrottle
 from hotswap.entrypoints.openai.params import IGNORED_FIELDS_WARNING, warn_ignored_fields
 from hotswap.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from hotswap.entrypoints.server.limits import WarningThrottle
 from tests.entrypoints.openai.conftest import MODEL
 
 MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
@@ -111,8 +111,8 @@ def test_unimplemented_parameters_stay_400(http, path: str, unsupported: dict, p
 
 @pytest.fixture(scope="module")
 def strict() -> Iterator[TestClient]:
-    from hotswap.entrypoints.api_server import build_app
-    from hotswap.entrypoints.state import ServerConfig
+    from hotswap.entrypoints.server.app import build_app
+    from hotswap.entrypoints.server.state import ServerConfig
 
     config = ServerConfig(served_model_name=MODEL, reject_unknown_fields=True)
     with TestClient(build_app(engine=None, config=config)) as client:  # type: ignore[arg-type]
@@ -156,8 +156,8 @@ def test_reject_unknown_fields_keeps_other_checks(strict: TestClient) -> None:
 
 
 def test_cli_flag_reaches_the_server_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hotswap.entrypoints import api_server
     from hotswap.entrypoints.cli import build_parser, run_serve
+    from hotswap.entrypoints.server import app as api_server
 
     configs = []
     monkeypatch.setattr(api_server, "run_server", lambda config, *_: configs.append(config))

@@ -1,0 +1,136 @@
+"""SGLang's POST /generate request body: GenerateReqInput
+(python/sglang/srt/managers/io_struct.py) and its SamplingParams
+(python/sglang/srt/sampling/sampling_params.py), as far as hotswap serves them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from hotswap.entrypoints.openai.protocol import Int64, NonNegInt64, RequestModel
+from hotswap.entrypoints.server.limits import MAX_FLOAT, json_problem
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, when the field is absent (null: up to the context)
+MAX_N = 1024
+MAX_RID_CHARS = 512
+# SamplingParams' names -> SGLang's, for the errors it raises
+SGLANG_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "seed": "sampling_seed",
+    "include_stop_str_in_output": "no_stop_trim",
+}
+
+
+class SGLangSampling(RequestModel):
+    """SGLang's sampling_params; null means the default, as in SGLang."""
+
+    max_new_tokens: NonNegInt64 | None = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: NonNegInt64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None  # -1, or more than the vocabulary: every token
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt64] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    sampling_seed: Int64 | None = None
+    stream_interval: Any = None  # chunk cadence only: hotswap streams every step
+    custom_params: Any = None  # read only by a custom logit processor: ignored, with a warning
+    max_weight_lag: NonNegInt64 | None = None  # hotswap's extension (see SamplingParams)
+    # SGLang's constraints (one at most): a JSON schema as JSON text, a regex, a GBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
+    # accepted only at their defaults
+    stop_regex: Any = None
+    structural_tag: Any = None
+
+
+class GenerateRequest(RequestModel):
+    """SGLang's GenerateReqInput. Fields that take a value or one per prompt are checked
+    here, in code, so that a 400 names exactly the offending element."""
+
+    text: Any = None  # a prompt or a list of prompts
+    input_ids: Any = None  # token ids or a list of them
+    sampling_params: Any = None  # one dict, or one per prompt
+    rid: Any = None  # str (a prefix `{rid}_{i}` for a batch) or one per prompt
+    return_logprob: Any = None
+    logprob_start_len: Any = None  # -1: only the last prompt token
+    top_logprobs_num: Any = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    cache_salt: Any = None  # str or one per prompt
+    return_prompt_token_ids: bool = False
+    lora_path: Any = None  # a loaded LoRA adapter's name, or one (or null) per prompt
+    # bool or one per prompt: meta_info.routed_experts (--enable-return-routed-experts)
+    return_routed_experts: Any = None
+    routed_experts_start_len: Any = None  # the first position returned (with the above)
+    # Routing and observability hints with no meaning on one hotswap server: ignored.
+    log_metrics: Any = None
+    routed_dp_rank: Any = None
+    data_parallel_rank: Any = None
+    routing_key: Any = None
+    conversation_id: Any = None
+    custom_labels: Any = None
+    no_logs: Any = None
+    received_time: Any = None
+    external_trace_header: Any = None
+    # accepted only at their defaults (absent, null, false or empty)
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    custom_logit_processor: Any = None
+    token_ids_logprob: Any = None
+    session_params: Any = None
+    return_hidden_states: Any = None
+    return_entropy: Any = None
+    return_sampling_mask: Any = None
+    return_flat_raw_top_logprobs: Any = None
+    extra_key: Any = None
+    bootstrap_host: Any = None
+    bootstrap_room: Any = None
+
+    @field_validator("*")
+    @classmethod
+    def _checked(cls, value: Any, info: ValidationInfo) -> Any:
+        """CheckedModel's check (valid Unicode, bounded floats and nesting), but for
+        sampling_params, which SGLangSampling checks per prompt to name the exact field."""
+        if info.field_name == "sampling_params":
+            return value
+        problem = json_problem(value, "", MAX_FLOAT)
+        if problem is not None:
+            raise ValueError(problem[1].removeprefix(": "))
+        return value
+
+
+DEFAULT_ONLY = [
+    "input_embeds",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "custom_logit_processor",
+    "token_ids_logprob",
+    "session_params",
+    "return_hidden_states",
+    "return_entropy",
+    "return_sampling_mask",
+    "return_flat_raw_top_logprobs",
+    "extra_key",
+    "bootstrap_host",
+    "bootstrap_room",
+]
+SAMPLING_DEFAULT_ONLY = [
+    "stop_regex",
+    "structural_tag",
+]
