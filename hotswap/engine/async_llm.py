@@ -193,7 +193,7 @@ class AsyncLLM:
             "load_weights_inline", tensors=inline_tensors(tensors), weight_version=weight_version
         )
 
-    # -- weight transfer: the four phases (DESIGN §4) ------------------------------------
+    # -- weight transfer: the four phases (docs/design.md §4) ------------------------------------
     init_weight_transfer_engine = async_verb_method("init_weight_transfer_engine")
     start_weight_update = async_verb_method("start_weight_update")
     update_weights = async_verb_method("update_weights")

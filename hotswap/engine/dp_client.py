@@ -1,4 +1,4 @@
-"""Data parallel (DESIGN §2): N engine cores, each in its own child process (or Ray actor,
+"""Data parallel (docs/design.md §2): N engine cores, each in its own child process (or Ray actor,
 hotswap.ray.dp) with its own model copy and KV cache, behind one front-end.
 
 - A new request goes to the rank with the fewest unfinished requests; its aborts follow it.

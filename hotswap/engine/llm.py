@@ -148,7 +148,7 @@ class LLM:
     # -- the verbs' methods (verb_methods.py): parameters are the verbs' arguments -------
     reset_prefix_cache = verb_method("reset_prefix_cache")
 
-    # -- weights (DESIGN §4): the four phases, a version label, what is loaded ------------
+    # -- weights (docs/design.md §4): the four phases, a version label, what is loaded ------------
     init_weight_transfer_engine = verb_method("init_weight_transfer_engine")
     start_weight_update = verb_method("start_weight_update")
     update_weights = verb_method("update_weights")

@@ -1,4 +1,4 @@
-"""Pause and resume of generation (DESIGN §3): the scheduler's pause state, and when a
+"""Pause and resume of generation (docs/design.md §3): the scheduler's pause state, and when a
 pause call may return."""
 
 from __future__ import annotations

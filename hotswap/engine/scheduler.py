@@ -3,7 +3,7 @@
 Invariants: every request in `running` holds KV blocks for its computed tokens; every
 request in `waiting` holds none. Running requests are served first (oldest first); when
 blocks run out the newest running request is preempted by recompute. The pause state
-gates what may be scheduled (DESIGN §3).
+gates what may be scheduled (docs/design.md §3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sleep levels and wake tags (DESIGN §3, spec "Sleep"): what each level puts to sleep,
+"""Sleep levels and wake tags (docs/design.md §3, spec "Sleep"): what each level puts to sleep,
 the order in which parts may wake, and the engine core's sleep manager."""
 
 from __future__ import annotations

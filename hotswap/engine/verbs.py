@@ -74,7 +74,7 @@ class Args(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True
 
 # -- scheduling ------------------------------------------------------------------------------
 class Pause(Args, tag="pause"):
-    """Pause as DESIGN §3: returns once the mode's condition holds and every output
+    """Pause as docs/design.md §3: returns once the mode's condition holds and every output
     produced before it has reached its stream. Invalid mode: refused, no change."""
 
     mode: PauseMode = "abort"

@@ -1,4 +1,4 @@
-"""One trainer, several rollout engines, one commit point (DESIGN §5).
+"""One trainer, several rollout engines, one commit point (docs/design.md §5).
 
 `EngineGroup(clients)` is itself a weight-sync client: give it to
 `WeightTransferTrainerFactory.trainer_init(...)` and one `send_weights()` updates every

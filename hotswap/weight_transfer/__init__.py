@@ -1,4 +1,4 @@
-"""Weight transfer from a trainer into running engines (DESIGN §4).
+"""Weight transfer from a trainer into running engines (docs/design.md §4).
 
 Public names are imported lazily: `hotswap.config` imports the leaf module
 `hotswap.weight_transfer.config`, which runs this file first; importing the backends here

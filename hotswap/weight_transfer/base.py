@@ -1,4 +1,4 @@
-"""What moves in a weight update and how both sides describe it (DESIGN §4).
+"""What moves in a weight update and how both sides describe it (docs/design.md §4).
 
 `ParamMeta` describes one tensor; a `WeightSource` has two channels, `metadata()` and
 iteration, that must agree element by element (the sender checks before any byte moves).

@@ -1,4 +1,4 @@
-"""The engine core's weights (DESIGN §4): every path that writes them (a disk reload,
+"""The engine core's weights (docs/design.md §4): every path that writes them (a disk reload,
 tensors sent inline, a trainer's round), the version each write commits, and what callers
 read about the loaded weights (version, label, digest, checksums)."""
 

@@ -1,4 +1,4 @@
-"""The engine side of the four-phase weight update (DESIGN §4).
+"""The engine side of the four-phase weight update (docs/design.md §4).
 
 A round stages every received tensor, validated before it is received into the stage
 (names, shapes, dtypes); the model is written only at `finish`, all at once. So a round
