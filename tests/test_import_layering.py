@@ -33,6 +33,7 @@ LAYERS = {
     "hotswap.engine_args": 0,
     "hotswap.msgspec_errors": 0,
     "hotswap.weight_transfer.config": 0,
+    "hotswap.weight_transfer.dtypes": 0,
     "hotswap.errors": 0,
     "hotswap.lora": 0,  # the package itself (empty); its modules by their own layers
     "hotswap.lora.request": 0,

@@ -23,6 +23,7 @@ import msgspec
 
 from hotswap.engine.errors import InvalidArgument
 from hotswap.msgspec_errors import describe, nested_refusal, shown
+from hotswap.weight_transfer.dtypes import DTYPE_NAMES
 
 PauseMode = Literal["abort", "wait", "keep"]
 SleepTag = Literal["weights", "kv_cache", "scheduling"]
@@ -42,10 +43,8 @@ JSONObject = Annotated[dict[str, Any], msgspec.Meta(description="a JSON object")
 InitInfo = Annotated[JSONObject, "init_info_cls"]  # typed by the backend's struct: see
 UpdateInfo = Annotated[JSONObject, "update_info_cls"]  # infos.py, make_args(backend=)
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256, description="a name")]
-# The dtypes a tensor can be sent in by value (weight_transfer/base.py names the same).
-TensorDType = Literal[
-    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"
-]
+# The dtypes a tensor can be sent in by value: those a round may carry (dtypes.py).
+TensorDType = Literal[DTYPE_NAMES]  # type: ignore[valid-type]
 MAX_TENSOR_DIMS = 16
 TensorName = Annotated[
     str, msgspec.Meta(min_length=1, max_length=1024, description="a tensor's name")

@@ -16,37 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hotswap.errors import InvalidArgument
-from hotswap.weight_transfer.infos import DTYPE_NAMES, TensorsInfo, parse_info
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-assert tuple(_DTYPES) == DTYPE_NAMES  # the names infos.py declares an update info may use
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _NAMES:
-        raise InvalidArgument("dtype", f"dtype: {dtype} cannot be transferred")
-    return _NAMES[dtype]
-
-
-def parse_dtype_name(name: object, field: str = "dtype_names") -> torch.dtype:
-    if not isinstance(name, str) or name.removeprefix("torch.") not in _DTYPES:
-        raise InvalidArgument(
-            field, f"{field}: unknown dtype {name!r}; choose from {', '.join(_DTYPES)}"
-        )
-    return _DTYPES[name.removeprefix("torch.")]
+from hotswap.weight_transfer.dtypes import DTYPES, dtype_name
+from hotswap.weight_transfer.infos import TensorsInfo, parse_info
 
 
 @dataclass(frozen=True)
@@ -101,7 +72,7 @@ def metas_from_update_info(info: object) -> list[ParamMeta]:
 def metas_of(info: TensorsInfo) -> list[ParamMeta]:
     """The tensors a parsed update info lists."""
     return [
-        ParamMeta(name, _DTYPES[dtype.removeprefix("torch.")], tuple(shape))
+        ParamMeta(name, DTYPES[dtype.removeprefix("torch.")], tuple(shape))
         for name, dtype, shape in zip(info.names, info.dtype_names, info.shapes)
     ]
 

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from hotswap.errors import InvalidArgument, nested
 from hotswap.weight_transfer.base import ParamMeta
+from hotswap.weight_transfer.dtypes import SAFETENSORS_DTYPES
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
 from hotswap.weight_transfer.infos import MAX_PATH_CHARS, DiskInfo, Info, parse_info
 from hotswap.weight_transfer.trainer import (
@@ -113,7 +114,7 @@ def check_safetensors(path: Path) -> None:
 
 def _check_entry(file: str, name: str, entry: object, data_size: int) -> None:
     where = f"model_path: {file}: tensor {name[:200]!r}"
-    if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES:
+    if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_DTYPES:
         raise InvalidArgument("model_path", f"{where}: missing or unsupported dtype")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if not (isinstance(shape, list) and all(_count(d) for d in shape)):
@@ -123,7 +124,7 @@ def _check_entry(file: str, name: str, entry: object, data_size: int) -> None:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)):
         raise InvalidArgument("model_path", f"{where}: data_offsets must be [begin, end]")
     begin, end = offsets
-    nbytes = math.prod(shape) * _SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+    nbytes = math.prod(shape) * SAFETENSORS_DTYPES[entry["dtype"]].itemsize
     if not begin <= end <= data_size or end - begin != nbytes:
         raise InvalidArgument(
             "model_path",
@@ -161,7 +162,7 @@ class DiskEngine(WeightTransferEngine):
                 with safe_open(str(path), framework="pt") as f:
                     for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                         sliced = f.get_slice(name)
-                        dtype = _SAFETENSORS_DTYPES.get(sliced.get_dtype())
+                        dtype = SAFETENSORS_DTYPES.get(sliced.get_dtype())
                         if dtype is None:
                             raise InvalidArgument(
                                 "model_path", f"{path.name}: {name} has unsupported dtype"
@@ -179,19 +180,6 @@ class DiskEngine(WeightTransferEngine):
         with nested("update_info"):
             files = _files(update_info, self.allowed_dirs)
         yield from iter_safetensors(files)
-
-
-_SAFETENSORS_DTYPES = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 SYNC_FILE = "hotswap-sync.safetensors"

@@ -10,7 +10,7 @@ A refusal names the field by its path from the argument (`init_info.master_port`
 
 Unknown keys are ignored (dropped from the struct, kept in the dict that travels): RL
 clients send fields a backend does not read, and a backend outside this package (ray's)
-reads keys of its own. A leaf beside `config.py`: msgspec only, no torch.
+reads keys of its own. A leaf beside `config.py`: msgspec and the dtype names (dtypes.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import msgspec
 
 from hotswap.errors import InvalidArgument
 from hotswap.msgspec_errors import MISSING, SEGMENT, WORDS, shown, split_error, unwrapped
+from hotswap.weight_transfer.dtypes import DTYPE_NAMES
 
 # The backends that receive over a torch.distributed group, the form every RL framework's
 # broadcast trainer (SGLang's, AReaL's, PipelineRL's, TRL's) needs.
@@ -40,10 +41,8 @@ MAX_NUM_BUFFERS = 64
 MAX_GROUP_NAME_CHARS = 256
 MAX_PATH_CHARS = 4096  # PATH_MAX
 
-# The dtypes a tensor can be sent in (base.py maps them to torch's), also as torch spells
-# them ("torch.bfloat16": PipelineRL's str(dtype)).
-DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8",
-               "uint8", "bool")  # fmt: skip
+# A dtype a tensor can be sent in (dtypes.py), also as torch spells it ("torch.bfloat16":
+# PipelineRL's str(dtype)).
 DTypeName = Annotated[
     Literal[DTYPE_NAMES + tuple(f"torch.{name}" for name in DTYPE_NAMES)],  # type: ignore[valid-type]
     msgspec.Meta(

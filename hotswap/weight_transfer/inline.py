@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from hotswap.errors import InvalidArgument
-from hotswap.weight_transfer.base import ParamMeta, dtype_name, parse_dtype_name
+from hotswap.weight_transfer.base import ParamMeta
+from hotswap.weight_transfer.dtypes import dtype_name, parse_dtype_name
 from hotswap.weight_transfer.engine import WeightTransferEngine
 
 ARGUMENT = "tensors"  # the verb's argument that refusals name (`tensors[3].data`)

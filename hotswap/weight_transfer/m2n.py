@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from hotswap.errors import InvalidArgument
-from hotswap.weight_transfer.base import ParamMeta, parse_dtype_name
+from hotswap.weight_transfer.base import ParamMeta
+from hotswap.weight_transfer.dtypes import parse_dtype_name
 from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
 from hotswap.weight_transfer.infos import Info, parse_info
 from hotswap.weight_transfer.m2n_plan import (

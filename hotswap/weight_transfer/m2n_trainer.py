@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from hotswap.model.parallel import TPGroup
-from hotswap.weight_transfer.base import ParamMeta, WeightSource, dtype_name
+from hotswap.weight_transfer.base import ParamMeta, WeightSource
 from hotswap.weight_transfer.clients import Committed, WeightSyncClient
+from hotswap.weight_transfer.dtypes import dtype_name
 from hotswap.weight_transfer.infos import DEFAULT_TIMEOUT_S, parse_info
 from hotswap.weight_transfer.m2n import exchange_layouts
 from hotswap.weight_transfer.m2n_plan import M2NInitInfo, box, plan, relative

@@ -16,7 +16,7 @@ from hotswap.engine.handlers import HANDLERS
 from hotswap.engine.messages import CallError, UtilityCall, UtilityResult
 from hotswap.engine.wire import decode_input, encode_input
 from hotswap.errors import InvalidArgument
-from hotswap.weight_transfer.base import _DTYPES
+from hotswap.weight_transfer.dtypes import DTYPES as _DTYPES
 
 
 def test_every_verb_has_exactly_one_handler() -> None:

@@ -16,7 +16,8 @@ from hotswap.entrypoints.openai.protocol import (
 )
 from hotswap.entrypoints.server.errors import bad_request
 from hotswap.errors import InvalidArgument
-from hotswap.weight_transfer.base import ParamMeta, parse_dtype_name
+from hotswap.weight_transfer.base import ParamMeta
+from hotswap.weight_transfer.dtypes import parse_dtype_name
 
 TopK = Annotated[int, Field(ge=-1, lt=2**31)]
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
