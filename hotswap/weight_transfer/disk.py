@@ -141,10 +141,7 @@ def _count(value: object) -> bool:
 class DiskEngine(WeightTransferEngine):
     backend: ClassVar[str] = "disk"
     needs_init: ClassVar[bool] = False
-    update_info_cls: ClassVar[type[Info]] = DiskInfo  # then read from the filesystem
-    # The only directories read (real paths); the engine sets its allowed_weight_dirs.
-    # None: anywhere (a DiskEngine used on its own).
-    allowed_dirs: tuple[Path, ...] | None = None
+    update_info_cls: ClassVar[type[Info]] = DiskInfo  # then read inside allowed_dirs only
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:
         """Nothing to set up."""

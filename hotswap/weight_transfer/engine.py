@@ -10,6 +10,7 @@ import socket
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -20,6 +21,9 @@ from hotswap.weight_transfer.config import BACKEND_NAMES
 from hotswap.weight_transfer.infos import Info, NoInitInfo, TensorsInfo, parse_info
 
 Allocator = Callable[[ParamMeta], torch.Tensor]
+# What `receive_weights` yields for a tensor every rank received its own part of, into its
+# own stage (a backend where every rank receives: m2n.py): the commit writes the stages.
+STAGED = "staged on every rank"
 
 
 def shift_rank_offset(init_info: dict[str, Any], shift: int) -> dict[str, Any]:
@@ -58,6 +62,13 @@ class WeightTransferEngine(ABC):
         # Set when the round is aborted while `init_transfer_engine` waits for the trainer.
         self.cancel = threading.Event()
         self.allowed_master_addresses: tuple[str, ...] | None = None
+        # The only directories a backend that reads files (disk) reads, as real paths; the
+        # engine sets its allowed_weight_dirs. None: anywhere (an engine used on its own).
+        self.allowed_dirs: tuple[Path, ...] | None = None
+
+    def attach(self, ranks: Any) -> None:  # noqa: B027 - optional hook
+        """The engine core's tensor-parallel ranks (m2n.py's `RankTransfer`), given to
+        every backend before its init; one where every rank receives uses them."""
 
     def check_master_address(self, address: str) -> None:
         """InvalidArgument unless `address` is on the engine's allow-list (if it has one)."""

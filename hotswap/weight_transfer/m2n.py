@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.dtypes import parse_dtype_name
-from hotswap.weight_transfer.engine import WeightTransferEngine, register_backend
+from hotswap.weight_transfer.engine import STAGED, WeightTransferEngine, register_backend
 from hotswap.weight_transfer.infos import Info, parse_info
 from hotswap.weight_transfer.m2n_plan import (
     M2NInitInfo,
@@ -33,7 +33,6 @@ from hotswap.weight_transfer.m2n_plan import (
 from hotswap.weight_transfer.rendezvous import join_group
 
 Part = tuple[int, int, int] | None  # (dim, start, size) of a tensor; None: all of it
-STAGED = "staged on every rank"  # what receive_weights yields: the commit writes the stage
 
 
 def exchange_layouts(
@@ -166,6 +165,7 @@ class M2NEngine(WeightTransferEngine):
         self.rank: M2NRank | None = None
 
     def attach(self, ranks: RankTransfer) -> None:
+        """Every rank receives: rank 0 tells the others what to do through `ranks`."""
         self.ranks = ranks
 
     def init_transfer_engine(self, init_info: dict[str, Any]) -> None:

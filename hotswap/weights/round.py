@@ -15,7 +15,7 @@ from hotswap.lora.stage import AdapterStage
 from hotswap.model.parallel import ShardSlice, TensorParallelError
 from hotswap.weight_transfer.base import Delta
 from hotswap.weight_transfer.config import WeightTransferConfig
-from hotswap.weight_transfer.m2n import STAGED
+from hotswap.weight_transfer.engine import STAGED
 from hotswap.weights.double_buffer import ShadowWeights, Target
 from hotswap.weights.targets import WeightTargets
 

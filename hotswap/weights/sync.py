@@ -30,8 +30,7 @@ from hotswap.lora.stage import AdapterStage
 from hotswap.weight_transfer.backends import create_transfer_engine, get_backend
 from hotswap.weight_transfer.base import Delta, ParamMeta
 from hotswap.weight_transfer.config import WeightTransferConfig
-from hotswap.weight_transfer.engine import WeightTransferEngine
-from hotswap.weight_transfer.m2n import STAGED, M2NEngine
+from hotswap.weight_transfer.engine import STAGED, WeightTransferEngine
 from hotswap.weights.double_buffer import ShadowWeights, fits
 from hotswap.weights.round import (
     LocalWriter,
@@ -107,8 +106,7 @@ class WeightSync:
             raise InvalidArgument("init_info", "init_info: must be a JSON object")
         engine = self._confined(create_transfer_engine(config, self.device))
         engine.cancel = self.join_cancel
-        if isinstance(engine, M2NEngine):  # every tensor-parallel rank receives its part
-            engine.attach(self.writer)
+        engine.attach(self.writer)  # the ranks, for a backend where every rank receives
         if config.reuse_receive_buffers:
             engine.allocate = self._pooled
         engine.init_transfer_engine(init_info)
@@ -306,11 +304,9 @@ class WeightSync:
             self.round, self.transfer = None, configured
 
     def _confined(self, engine: WeightTransferEngine) -> WeightTransferEngine:
-        """`engine`, reading from disk only inside the allowed weight directories."""
-        from hotswap.weight_transfer.disk import DiskEngine
-
-        if isinstance(engine, DiskEngine):
-            engine.allowed_dirs = self.allowed_weight_dirs
+        """`engine`, reading from disk (if it does) only inside the allowed weight
+        directories."""
+        engine.allowed_dirs = self.allowed_weight_dirs
         return engine
 
     def expire(self, timeout_s: float) -> bool:
