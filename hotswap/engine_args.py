@@ -34,7 +34,7 @@ from hotswap.config import (
 )
 from hotswap.errors import InvalidArgument
 from hotswap.generation_config import default_sampling
-from hotswap.weight_transfer.config import WeightTransferConfig
+from hotswap.weight_transfer.config import ENGINE_BACKENDS, WeightTransferConfig
 
 
 @dataclass(frozen=True)
@@ -265,12 +265,16 @@ class EngineArgs:
 
     def _weight_transfer_config(self) -> WeightTransferConfig | None:
         config = WeightTransferConfig.parse(self.weight_transfer_config)
-        if config is not None and config.double_buffer and config.backend == "m2n":
+        if config is None or not config.double_buffer:
+            return config
+        backend = ENGINE_BACKENDS.get(config.backend)  # unknown: refused at the engine's start
+        if backend is not None and backend.every_rank_receives:
             # every rank receives its own parts into its stage, written at the commit
             raise InvalidArgument(
                 "weight_transfer_config.double_buffer",
-                "weight_transfer_config.double_buffer: not supported with the 'm2n' backend "
-                "(each rank stages its own parts and writes them at the commit)",
+                f"weight_transfer_config.double_buffer: not supported with the "
+                f"{config.backend!r} backend (each rank stages its own parts and writes "
+                f"them at the commit)",
             )
         return config
 

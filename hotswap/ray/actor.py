@@ -26,12 +26,12 @@ from hotswap.engine.verb_methods import async_verb_method
 from hotswap.errors import InvalidArgument
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
-from hotswap.ray.transfer import OBJECT, deliver
+from hotswap.ray.transfer import OBJECT, RayObjectEngine, deliver
 from hotswap.sampling_params import SamplingParams
 
 # What an engine actor receives weights with unless told otherwise: the backend that works
 # wherever Ray does (set `weight_transfer_config` for gloo, nccl or ipc).
-DEFAULT_WEIGHT_TRANSFER = {"backend": "ray"}
+DEFAULT_WEIGHT_TRANSFER = {"backend": RayObjectEngine.backend}
 
 
 class EngineActor:

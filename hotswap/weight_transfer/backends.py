@@ -20,8 +20,8 @@ from hotswap.weight_transfer import (  # noqa: F401 - imported to register them
 )
 from hotswap.weight_transfer.base import WeightSource
 from hotswap.weight_transfer.clients import WeightSyncClient
-from hotswap.weight_transfer.config import WeightTransferConfig
-from hotswap.weight_transfer.engine import ENGINE_BACKENDS, WeightTransferEngine
+from hotswap.weight_transfer.config import ENGINE_BACKENDS, WeightTransferConfig, check_backend_name
+from hotswap.weight_transfer.engine import WeightTransferEngine
 from hotswap.weight_transfer.infos import parse_info
 from hotswap.weight_transfer.trainer import (
     TRAINER_BACKENDS,
@@ -33,9 +33,7 @@ from hotswap.weight_transfer.trainer import (
 
 def get_backend(name: str) -> type[WeightTransferEngine]:
     """The worker-side engine class registered under `name`; InvalidArgument if none is."""
-    if name not in ENGINE_BACKENDS:
-        choices = ", ".join(sorted(ENGINE_BACKENDS))
-        raise InvalidArgument("backend", f"backend: unknown {name!r}; choose from {choices}")
+    check_backend_name(name)
     return ENGINE_BACKENDS[name]
 
 

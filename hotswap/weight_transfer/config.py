@@ -13,10 +13,14 @@ from typing import Any
 
 from hotswap.errors import InvalidArgument, nested
 
-# The backend names a config may choose: the built-in backends, and any name
-# `register_backend` adds. Names only: looking up a class needs the backends imported.
 KV_POLICIES = ("keep", "recompute")
-BACKEND_NAMES: set[str] = {"disk", "gloo", "ipc", "nccl", "sparse"}
+# The backend registry: name -> its engine class (a WeightTransferEngine), filled by
+# `register_backend` (engine.py) as each backend module is imported. The built-in ones are
+# imported by `hotswap.weight_transfer.backends`, which the package's facade imports with
+# the engine (hotswap/__init__.py), so every config parsed sees them. Declared in this leaf
+# so a config's backend is checked without a backend imported here.
+ENGINE_BACKENDS: dict[str, type] = {}
+BACKEND_NAMES = ENGINE_BACKENDS.keys()  # the names a config may choose
 
 
 def check_backend_name(name: str) -> None:

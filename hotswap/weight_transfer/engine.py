@@ -17,7 +17,7 @@ import torch
 
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ParamMeta, metas_of
-from hotswap.weight_transfer.config import BACKEND_NAMES
+from hotswap.weight_transfer.config import ENGINE_BACKENDS
 from hotswap.weight_transfer.infos import Info, NoInitInfo, TensorsInfo, parse_info
 
 Allocator = Callable[[ParamMeta], torch.Tensor]
@@ -124,15 +124,12 @@ class WeightTransferEngine(ABC):
         return tensor_parallel_size if cls.every_rank_receives else 1
 
 
-# backend name -> its engine class, filled by `register_backend` as each backend module is
-# imported; `hotswap.weight_transfer.backends` imports the built-in ones and looks them up.
-ENGINE_BACKENDS: dict[str, type[WeightTransferEngine]] = {}
-
-
 def register_backend(name: str):  # noqa: ANN201 - a class decorator
+    """Class decorator: the engine class of backend `name`, in the registry
+    (config.ENGINE_BACKENDS) that `backends.get_backend` and a config's check read."""
+
     def register(cls: type[WeightTransferEngine]) -> type[WeightTransferEngine]:
         ENGINE_BACKENDS[name] = cls
-        BACKEND_NAMES.add(name)
         return cls
 
     return register
