@@ -316,7 +316,7 @@ def resolve_bad_words(params: SamplingParams, tokenizer: _Encoder) -> None:
 
 def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"{name}: {message}")
+        raise InvalidArgument(name, f"{name}: {message}")
 
 
 def _is_int(value: object) -> bool:

@@ -108,7 +108,7 @@ class AsyncLLM:
         self, request_id: str, prompt: Prompt, params: SamplingParams, lora_name: str | None
     ) -> asyncio.Queue[RequestOutput | BaseException]:
         if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+            raise InvalidArgument("request_id", f"request_id: {request_id!r} is already in use")
         text, ids = encode_prompt(self.tokenizer, prompt)
         check_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
         params.check_prompt_length(len(ids))

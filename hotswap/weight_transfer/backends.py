@@ -37,6 +37,14 @@ def get_backend(name: str) -> type[WeightTransferEngine]:
     return ENGINE_BACKENDS[name]
 
 
+def group_backend(device: str) -> str:
+    """The backend a trainer's process group must name for an engine on `device` to meet
+    it (gloo on CPU, nccl on CUDA): the one that declares the device's type its
+    `group_device`."""
+    kind = torch.device(device).type
+    return next(name for name, cls in ENGINE_BACKENDS.items() if cls.group_device == kind)
+
+
 def check_info(backend: str, declared: object, value: object, field: str) -> None:
     """A verb argument declared as a transfer info (`Annotated[..., "init_info_cls"]`:
     verbs.py) checked as backend `backend`'s struct of that name; InvalidArgument names the

@@ -192,8 +192,10 @@ class BroadcastEngine(WeightTransferEngine):
 @register_backend("gloo")
 class GlooEngine(BroadcastEngine):
     backend = "gloo"
+    group_device = "cpu"
 
 
 @register_backend("nccl")
 class NCCLEngine(BroadcastEngine):
     backend = "nccl"
+    group_device = "cuda"

@@ -46,6 +46,11 @@ class WeightTransferEngine(ABC):
     # receives for its core, and data-parallel core i is worker rank_offset + i.
     every_rank_receives: ClassVar[bool] = False
     sends_deltas: ClassVar[bool] = False  # True: yields `Delta`s (sparse.py), not tensors
+    # The device type on which this backend meets a process group its trainer creates as
+    # the RL frameworks' trainers do (SGLang's, AReaL's, TRL's, PipelineRL's: one broadcast
+    # per tensor), the group's torch.distributed backend then bearing this backend's name.
+    # None: it meets no such group.
+    group_device: ClassVar[str | None] = None
     # What init_weight_transfer_engine and update_weights carry (infos.py): the engine
     # parses with them, and so does a front end that knows the backend (make_args).
     init_info_cls: ClassVar[type[Info]] = NoInitInfo

@@ -24,10 +24,6 @@ from hotswap.errors import InvalidArgument
 from hotswap.msgspec_errors import MISSING, SEGMENT, WORDS, shown, split_error, unwrapped
 from hotswap.weight_transfer.dtypes import DTYPE_NAMES
 
-# The backends that receive over a torch.distributed group, the form every RL framework's
-# broadcast trainer (SGLang's, AReaL's, PipelineRL's, TRL's) needs.
-BROADCAST_BACKENDS: tuple[str, ...] = ("gloo", "nccl")
-
 DEFAULT_BUFFER_BYTES = 64 << 20
 DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 120.0

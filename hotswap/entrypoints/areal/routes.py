@@ -41,14 +41,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from hotswap.entrypoints.server.errors import APIError, bad_request
-from hotswap.entrypoints.server.sessions import dialect_sessions, require_broadcast_backend
-from hotswap.entrypoints.server.state import get_engine
+from hotswap.entrypoints.server.group_join import GroupJoin
+from hotswap.entrypoints.server.sessions import dialect_sessions
 from hotswap.entrypoints.server.verb_routes import (
     VerbRoute,
     call_route,
     call_verb,
     decimal_int,
-    info_backend,
     read_values,
     route_args,
     route_info,
@@ -62,26 +61,15 @@ INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "ba
                "group_name")  # fmt: skip
 
 
-def _init_info(values: dict[str, Any]) -> dict[str, Any]:
-    """AReaL's spellings as init_info's: master_port as a string, an IPv6 address as a URL
-    host ([::1]); the trainer's torch-helper group carries one typed broadcast per tensor."""
-    info = dict(values["init_info"])
-    address = info["master_address"]
-    if isinstance(address, str):
-        info["master_address"] = address.removeprefix("[").removesuffix("]")
-    info["master_port"] = decimal_int(info["master_port"])
-    return {"init_info": {**info, "packed": False}}
-
-
 # AReaL's init fields are init_info's own keys (a refusal of init_info.master_port names
-# body.master_port); `backend` is checked against the server's here.
+# body.master_port); `backend`, its group's, is checked against the engine's.
 INIT = VerbRoute(
     "/areal_init_weights_update_group",
     "init_weight_transfer_engine",
     names={name: f"init_info.{name}" for name in INIT_FIELDS if name != "backend"},
-    translate=_init_info,
     consumes=frozenset({"backend"}),
 )
+JOIN = GroupJoin("AReaL", INIT, "areal", backend_field="backend")
 # The meta is the next update's info under AReaL's names; lists of other lengths (the info
 # as a whole) are refused as `names`'.
 META = VerbRoute(
@@ -131,23 +119,19 @@ async def areal_init_weights_update_group(request: Request) -> dict[str, Any]:
     for name in INIT_FIELDS:  # AReaL always sends them all
         if name not in values:
             raise bad_request(f"{name}: required", f"body.{name}")
-    _check_backend(request, values.pop("backend"))
-    args = route_args(INIT, values, info_backend(request, INIT.verb))
-    session = dialect_sessions(request).areal
-    session.close()  # the old group (and its meta) goes whatever happens
-    await call_route(request, INIT, args)
-    session.join(values["group_name"])
+    await JOIN.join(request, _init_info(values), values)  # the old group's meta goes too
     return {"success": True, "message": "Weight update group initialized"}
 
 
-def _check_backend(request: Request, backend: object) -> None:
-    require_broadcast_backend(request, "AReaL")
-    config = get_engine(request).config.weight_transfer
-    if config is None:
-        return  # the engine answers: weight transfer is not configured (409)
-    if backend != config.backend:
-        raise bad_request(f"backend: this server receives over {config.backend!r}, got "
-                          f"{backend!r}", "body.backend")  # fmt: skip
+def _init_info(values: dict[str, Any]) -> dict[str, Any]:
+    """AReaL's spellings as init_info's: master_port as a string, an IPv6 address as a URL
+    host ([::1])."""
+    info = {name: values[name] for name in INIT.names}
+    address = info["master_address"]
+    if isinstance(address, str):
+        info["master_address"] = address.removeprefix("[").removesuffix("]")
+    info["master_port"] = decimal_int(info["master_port"])
+    return info
 
 
 @areal_router.post("/areal_set_update_weight_meta")

@@ -20,9 +20,10 @@ from hotswap.entrypoints.openai.protocol import (
     RequestModel,
     SamplingRequest,
 )
-from hotswap.entrypoints.server.errors import APIError, param_of
+from hotswap.entrypoints.server.errors import APIError
 from hotswap.entrypoints.server.limits import WarningThrottle, check_prompt_chars, printable_field
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids, get_server_config
+from hotswap.errors import InvalidArgument
 from hotswap.lora.request import LoRARequest
 from hotswap.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -229,7 +230,7 @@ def sampling_params(
             structured_outputs=structured_outputs,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
-    except ValueError as e:
+    except InvalidArgument as e:
         raise _field_error(e, body) from None
 
 
@@ -252,9 +253,8 @@ def routed_experts_start(body: SamplingRequest) -> int:
     return body.routed_experts_start_len
 
 
-def _field_error(error: ValueError, body: SamplingRequest) -> APIError:
-    message = str(error)
-    field = param_of(message)
+def _field_error(error: InvalidArgument, body: SamplingRequest) -> APIError:
+    message, field = str(error), error.field
     if field == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         message = message.replace(field, "max_completion_tokens", 1)
         field = "max_completion_tokens"

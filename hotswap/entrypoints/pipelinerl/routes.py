@@ -48,7 +48,8 @@ from fastapi import APIRouter, Request
 
 from hotswap.engine.errors import InvalidArgument
 from hotswap.entrypoints.server.errors import APIError, bad_request
-from hotswap.entrypoints.server.sessions import dialect_sessions, require_broadcast_backend
+from hotswap.entrypoints.server.group_join import GroupJoin
+from hotswap.entrypoints.server.sessions import dialect_sessions
 from hotswap.entrypoints.server.verb_routes import VerbRoute, call_verb, read_values, weight_round
 from hotswap.weight_transfer.infos import (
     DTypeName,
@@ -86,6 +87,7 @@ INIT = VerbRoute(
         "init_info.group_name": "group_name",
     },
 )  # fmt: skip
+JOIN = GroupJoin("PipelineRL", INIT, "pipelinerl")
 
 
 class Parameter(msgspec.Struct, frozen=True):
@@ -145,7 +147,7 @@ async def receive_weight_update(request: Request) -> dict[str, str]:
         update = parse_info(WeightUpdateRequest, values, "")
     except InvalidArgument as e:
         raise _refused(e) from None
-    require_broadcast_backend(request, "PipelineRL")
+    JOIN.check(request)
     # One update at a time (as PipelineRL's own server): a second must not resume
     # generation in the middle of the first.
     async with dialect_sessions(request).pipelinerl.lock:
@@ -181,14 +183,10 @@ async def init_actor_update_group(request: Request) -> dict[str, str]:
             f"outside weight_update_group_world_size {world_size}",
             "body.actor_idx",
         )
-    require_broadcast_backend(request, "PipelineRL")
     init_info = {"master_address": address, "master_port": port, "world_size": world_size,
-                 "rank_offset": rank_offset, "packed": False,
+                 "rank_offset": rank_offset,
                  "group_name": values.get("group_name", DEFAULT_GROUP)}  # fmt: skip
-    session = dialect_sessions(request).pipelinerl
-    session.close()  # the old group goes whatever happens
-    await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
-    session.join(init_info["group_name"])
+    await JOIN.join(request, init_info)
     return {"status": "ok"}
 
 

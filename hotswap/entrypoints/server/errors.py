@@ -50,13 +50,6 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-def param_of(message: str) -> str | None:
-    """Engine errors start with the offending field (`"max_tokens: must be ..."`)."""
-    head = message.split(":", 1)[0]
-    plain = head.replace("_", "").replace(".", "").replace("[", "").replace("]", "")
-    return head if plain.isalnum() else None
-
-
 def validation_param(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(str(part) for part in loc)
 
@@ -81,10 +74,9 @@ async def _http_exception(request: Request, exc: StarletteHTTPException) -> JSON
 
 
 async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
-    message = str(exc)
-    # a refusal names its field; other ValueErrors start with it, by convention
-    param = exc.field if isinstance(exc, InvalidArgument) else param_of(message)
-    return error_response(400, message, f"body.{param}" if param else None)
+    # a refusal names its field (InvalidArgument); no message is parsed for one
+    param = exc.field if isinstance(exc, InvalidArgument) else None
+    return error_response(400, str(exc), f"body.{param}" if param else None)
 
 
 async def _state_error(request: Request, exc: EngineStateError) -> JSONResponse:

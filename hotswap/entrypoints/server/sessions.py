@@ -9,8 +9,8 @@ lifecycle for all:
 
 Only a joined session accepts updates for its group; a session fails when a call broke
 its channel, so the next call must be a new join. Each session's `lock` serialises its
-dialect's weight calls in arrival order. vLLM's weight checker keeps its baseline here
-too, and the one requirement every group has of the server (`require_broadcast_backend`).
+dialect's weight calls in arrival order; every join goes through group_join.py. vLLM's
+weight checker keeps its baseline here too.
 The app creates its `DialectSessions` once (app.py), so every route of a dialect
 sees the same session, and two apps in one process never share one.
 """
@@ -23,10 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-
-from hotswap.entrypoints.server.errors import APIError
-from hotswap.entrypoints.server.state import get_engine
-from hotswap.weight_transfer.infos import BROADCAST_BACKENDS
 
 if TYPE_CHECKING:
     from torch import nn
@@ -116,19 +112,3 @@ class DialectSessions:
 def dialect_sessions(request: Request) -> DialectSessions:
     """The app's sessions (made with the app: hotswap/entrypoints/server/app.py)."""
     return request.app.state.dialect_sessions
-
-
-def require_broadcast_backend(request: Request, framework: str) -> None:
-    """A 409 unless the server receives over a process group (gloo or nccl), which is
-    what `framework`'s group is: any other backend would read the trainer's calls as
-    something else. Unconfigured: the engine's own refusal says how to configure it."""
-    engine_config = get_engine(request).config
-    config = engine_config.weight_transfer
-    if config is not None and config.backend not in BROADCAST_BACKENDS:
-        needed = "nccl" if str(engine_config.device).startswith("cuda") else "gloo"
-        raise APIError(
-            409,
-            f"{framework} broadcasts weights over a process group, but this server receives "
-            f"with the {config.backend!r} backend; start it with --weight-transfer-config "
-            f'\'{{"backend": "{needed}"}}\'',
-        )

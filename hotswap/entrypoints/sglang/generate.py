@@ -39,6 +39,7 @@ from hotswap.entrypoints.server.state import get_engine
 from hotswap.entrypoints.sglang.protocol import GenerateRequest
 from hotswap.entrypoints.sglang.render import ItemState, fill_missing_labels, job_stream
 from hotswap.entrypoints.sglang.request import plan_jobs
+from hotswap.errors import InvalidArgument
 
 sglang_generate_router = APIRouter()
 
@@ -51,8 +52,8 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     stream = job_stream(engine, jobs)
     try:
         await stream.start()
-    except ValueError as e:
-        if not str(e).startswith("request_id:"):
+    except InvalidArgument as e:
+        if e.field != "request_id":
             raise
         raise APIError(400, f"rid: {str(e).split(': ', 1)[1]}", "body.rid") from None
     # SGLang's items: prompt by prompt, n samples each (n > 1 is one engine request).

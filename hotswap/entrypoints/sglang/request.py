@@ -20,7 +20,7 @@ from hotswap.entrypoints.openai.params import (
     warn_ignored_fields,
 )
 from hotswap.entrypoints.openai.protocol import RequestModel
-from hotswap.entrypoints.server.errors import APIError, param_of
+from hotswap.entrypoints.server.errors import APIError
 from hotswap.entrypoints.server.limits import off_loop, printable_field
 from hotswap.entrypoints.server.state import get_server_config
 from hotswap.entrypoints.sglang.protocol import (
@@ -363,9 +363,9 @@ def _job(
             structured_outputs=_constraint(fields, prefix),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
-    except ValueError as e:
+    except InvalidArgument as e:
         message = str(e)
-        field = param_of(message) or ""
+        field = e.field or ""
         name = SGLANG_NAMES.get(field, field)
         message = message.replace(field, name, 1) if field else message
         param = f"{prefix}.{name}" if name else prefix

@@ -50,7 +50,8 @@ from fastapi import APIRouter, Request
 
 from hotswap.engine.errors import EngineStateError, InvalidArgument
 from hotswap.entrypoints.server.errors import APIError, bad_request
-from hotswap.entrypoints.server.sessions import dialect_sessions, require_broadcast_backend
+from hotswap.entrypoints.server.group_join import GroupJoin
+from hotswap.entrypoints.server.sessions import dialect_sessions
 from hotswap.entrypoints.server.state import get_engine
 from hotswap.entrypoints.server.verb_routes import (
     Done,
@@ -77,6 +78,8 @@ INIT = VerbRoute(
     names={key: f"init_info.{key}" for key in ("master_address", "master_port", "rank_offset",
                                                "world_size", "group_name")},
 )  # fmt: skip
+# The group's torch backend is checked against the engine's; SGLang's default is nccl.
+JOIN = GroupJoin("SGLang", INIT, "sglang", backend_field="backend", default_backend="nccl")
 UPDATE_NAMES = {"names": "update_info.names", "dtypes": "update_info.dtype_names",
                 "shapes": "update_info.shapes"}  # fmt: skip
 UPDATE = VerbRoute("/update_weights_from_distributed", "update_weights", names=UPDATE_NAMES)
@@ -102,37 +105,15 @@ async def init_weights_update_group(request: Request) -> dict[str, Any]:
     """Join the trainer's group as ranks rank_offset.. (one per engine core); blocks until
     the trainer joins too (or the transfer's timeout)."""
     values = await read_body_fields(request, INIT_FIELDS)
-    group_name = _group_name(values)
-    _check_backend(request, values.get("backend", "nccl"))
-    init_info: dict[str, Any] = {"group_name": group_name, "packed": False}
+    init_info: dict[str, Any] = {"group_name": _group_name(values)}
     address = values.get("master_address")
     if address is not None:
         init_info["master_address"] = address
     for key in ("master_port", "rank_offset", "world_size"):
         if key in values:
             init_info[key] = decimal_int(values[key])
-    await call_verb(request, INIT, "init_weight_transfer_engine", init_info=init_info)
-    dialect_sessions(request).sglang.join(group_name)
+    await JOIN.join(request, init_info, values)
     return {"success": True, "message": "Succeeded to initialize custom process group."}
-
-
-def _check_backend(request: Request, backend: object) -> None:
-    """The group's backend must be the one this server's engine joins with: gloo on CPU,
-    NCCL on CUDA. Mapping one onto the other cannot work: the trainer's group and the
-    engine's would never meet (their keys and transports differ), so it is refused here
-    instead of hanging until the timeout."""
-    require_broadcast_backend(request, "SGLang")
-    config = get_engine(request).config
-    if config.weight_transfer is None:
-        return  # the engine answers: weight transfer is not configured (409)
-    expected = "nccl" if str(config.device).startswith("cuda") else "gloo"
-    if backend != expected:
-        raise bad_request(
-            f"backend: this server's engine runs on {config.device} and joins weight-update "
-            f"groups with {expected}; create the trainer's group with backend={expected!r} "
-            f"(got {backend!r})",
-            "body.backend",
-        )
 
 
 # -- /update_weights_from_distributed ----------------------------------------------------

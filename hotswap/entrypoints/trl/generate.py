@@ -26,7 +26,7 @@ from hotswap.entrypoints.openai.serving import (
     collect_final,
     engine_ids,
 )
-from hotswap.entrypoints.server.errors import bad_request, param_of, validation_param
+from hotswap.entrypoints.server.errors import bad_request, validation_param
 from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.trl.protocol import (
     DEFAULT_ONLY_KWARGS,
@@ -36,6 +36,7 @@ from hotswap.entrypoints.trl.protocol import (
     SamplingFields,
     check_text_only,
 )
+from hotswap.errors import InvalidArgument
 from hotswap.outputs import CompletionOutput, RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 
@@ -61,8 +62,8 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
     values.update(overrides)
     try:
         return SamplingParams(**values, output_kind=RequestOutputKind.FINAL_ONLY)
-    except (ValueError, TypeError) as e:
-        field = param_of(str(e))
+    except InvalidArgument as e:
+        field = e.field
         if field in overrides:
             raise bad_request(f"generation_kwargs.{e}", f"body.generation_kwargs.{field}") from None
         raise bad_request(str(e), f"body.{field}" if field else None) from None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 import torch
@@ -33,21 +34,11 @@ from fastapi import Request
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.errors import EngineDeadError, EngineStateError
 from hotswap.entrypoints.server.errors import APIError, bad_request
+from hotswap.entrypoints.server.group_join import GroupJoin
 from hotswap.entrypoints.server.limits import off_loop
-from hotswap.entrypoints.server.sessions import (
-    PendingWork,
-    TRLSession,
-    dialect_sessions,
-    require_broadcast_backend,
-)
+from hotswap.entrypoints.server.sessions import PendingWork, TRLSession, dialect_sessions
 from hotswap.entrypoints.server.state import get_engine, get_server_config
-from hotswap.entrypoints.server.verb_routes import (
-    VerbRoute,
-    call_route,
-    call_verb,
-    info_backend,
-    route_args,
-)
+from hotswap.entrypoints.server.verb_routes import Done, VerbRoute, call_verb
 from hotswap.weight_transfer.base import ParamMeta, metas_to_update_info
 
 logger = logging.getLogger(__name__)
@@ -64,6 +55,7 @@ INIT = VerbRoute(
     sources={"init_info.master_address": "host", "init_info.master_port": "port",
              "init_info.world_size": "world_size"},
 )  # fmt: skip
+JOIN = GroupJoin("TRL", INIT, "trl")
 UPDATE = VerbRoute("/update_named_param/", "update_weights")
 
 
@@ -145,7 +137,7 @@ def check_transfer_config(request: Request) -> None:
             "weight transfer is not configured: start the server with "
             '--weight-transfer-config \'{"backend": "gloo"}\' (or nccl)',
         )
-    require_broadcast_backend(request, "TRL")
+    JOIN.check(request)
     if config.require_complete:
         raise APIError(
             409,
@@ -184,7 +176,6 @@ def group_init_info(request: Request, host: str, port: int, world_size: int) -> 
         "world_size": world_size,
         "rank_offset": 0,
         "trainer_rank": world_size - 1,
-        "packed": False,  # TRL broadcasts each tensor as it is
     }
 
 
@@ -201,14 +192,16 @@ async def start_init(request: Request, session: TRLSession, init_info: dict[str,
     """Start joining the group: a refusal within QUICK_REFUSAL_S is this call's 400 (in
     TRL's field names); past that the join waits for the trainer behind the answer, as
     TRL joins only once answered."""
-    args = route_args(INIT, {"init_info": init_info}, info_backend(request, INIT.verb))
-    task = asyncio.create_task(call_route(request, INIT, args))
-    done, _ = await asyncio.wait({task}, timeout=QUICK_REFUSAL_S)
-    if done:
-        task.result()  # its refusal is this call's
-    else:
-        _run_behind_answer(session, task, "init_communicator", is_init=True)
-    session.join()
+
+    async def answer_first(init: Coroutine[Any, Any, Done]) -> None:
+        task = asyncio.create_task(init)
+        done, _ = await asyncio.wait({task}, timeout=QUICK_REFUSAL_S)
+        if done:
+            task.result()  # its refusal is this call's
+        else:
+            _run_behind_answer(session, task, "init_communicator", is_init=True)
+
+    await JOIN.join(request, init_info, run=answer_first)
 
 
 # -- one parameter, one round ---------------------------------------------------------------
