@@ -59,6 +59,7 @@ LAYERS = {
     "hotswap.engine": 3,
     "hotswap.weights": 3,
     "hotswap.lora.manager": 3,
+    "hotswap.lora.loaded": 3,  # what a front-end loaded, followed from its verbs' calls
     "hotswap.execution.rank_process": 3,
     # 4: the facade re-exporting LLM, AsyncLLM, SamplingParams, ...
     "hotswap": 4,

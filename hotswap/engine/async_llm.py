@@ -30,17 +30,23 @@ from hotswap.engine.prompts import (
     prepare_params,
     prompt_cache_salt,
 )
-from hotswap.engine.verb_methods import async_verb_method
-from hotswap.engine.verbs import Args, make_args, verb_name
+from hotswap.engine.verb_methods import with_verb_methods
+from hotswap.engine.verbs import Args, CollectiveRpc, LoadLoraAdapter, LoadWeightsInline, make_args
 from hotswap.engine_args import EngineArgs
-from hotswap.lora.request import LoadedAdapters, LoRARequest
+from hotswap.lora.loaded import LoadedAdapters
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
 from hotswap.weight_transfer.inline import inline_tensors
 
 
+@with_verb_methods(coroutine=True)
 class AsyncLLM:
+    """Streaming generation, and a coroutine method per control verb (verb_methods.py:
+    `pause_generation`, `sleep`, `finish_weight_update`, ...; their parameters are the
+    verbs' arguments), besides the few written out below."""
+
     def __init__(
         self,
         model: str | None = None,
@@ -143,17 +149,8 @@ class AsyncLLM:
         self.client.abort_requests([child for group in children.values() for child in group])
         return sum(1 for group in children.values() if group)
 
-    # -- control: the verbs' methods (verb_methods.py); parameters are the verbs' ------
-    pause_generation = async_verb_method("pause", name="pause_generation")
-    resume_generation = async_verb_method("resume", name="resume_generation")
-    is_paused = async_verb_method("is_paused")
-    reset_prefix_cache = async_verb_method("reset_prefix_cache")
-    sleep = async_verb_method("sleep")
-    wake_up = async_verb_method("wake_up")
-    is_sleeping = async_verb_method("is_sleeping")
-    load_weights_from_disk = async_verb_method("load_weights_from_disk")
-
-    # -- LoRA adapters (what the cores hold is followed in `call_with`) -----------------
+    # -- control: a method per verb (made by with_verb_methods), and these ---------------
+    # LoRA adapters (what the cores hold is followed in `call_with`)
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str, load_inplace: bool = False
     ) -> dict[str, Any]:
@@ -161,16 +158,13 @@ class AsyncLLM:
         two phases: every core checks and holds it, then all serve it; if any refuses, none
         does (each keeps what it had)."""
         try:
-            await self.call("load_lora_adapter", lora_name=lora_name, lora_path=lora_path,
+            await self.call(LoadLoraAdapter, lora_name=lora_name, lora_path=lora_path,
                             load_inplace=load_inplace, prepare=True)  # fmt: skip
         except BaseException:
             with contextlib.suppress(Exception):
-                await self.call("commit_lora_adapter", lora_name=lora_name, abort=True)
+                await self.commit_lora_adapter(lora_name, abort=True)
             raise
-        return await self.call("commit_lora_adapter", lora_name=lora_name)
-
-    unload_lora_adapter = async_verb_method("unload_lora_adapter")
-    list_lora_adapters = async_verb_method("list_lora_adapters")
+        return await self.commit_lora_adapter(lora_name)
 
     @property
     def loaded_adapters(self) -> dict[str, str]:
@@ -190,20 +184,8 @@ class AsyncLLM:
         labelled `weight_version` (default: the current label); returns {version, label}.
         Their bytes travel in the call: for whole models use a weight transfer backend."""
         return await self.call(
-            "load_weights_inline", tensors=inline_tensors(tensors), weight_version=weight_version
+            LoadWeightsInline, tensors=inline_tensors(tensors), weight_version=weight_version
         )
-
-    # -- weight transfer: the four phases (docs/design.md §4) ------------------------------------
-    init_weight_transfer_engine = async_verb_method("init_weight_transfer_engine")
-    start_weight_update = async_verb_method("start_weight_update")
-    update_weights = async_verb_method("update_weights")
-    prepare_weight_update = async_verb_method("prepare_weight_update")
-    finish_weight_update = async_verb_method("finish_weight_update")
-    get_world_size = async_verb_method("get_world_size")
-    get_weight_info = async_verb_method("get_weight_info")
-    update_weight_version = async_verb_method("update_weight_version")
-    get_weight_version = async_verb_method("get_weight_version")
-    get_stats = async_verb_method("get_stats")
 
     async def collective_rpc(
         self,
@@ -216,7 +198,7 @@ class AsyncLLM:
         core and every tensor-parallel rank of each; one result per rank. `timeout` bounds
         the wait here (TimeoutError), as in vLLM; a method already running finishes in the
         engine regardless."""
-        call = self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
+        call = self.call(CollectiveRpc, method=method, args=list(args), kwargs=kwargs or {})
         return await asyncio.wait_for(call, timeout)
 
     def front_end_stats(self) -> dict[str, Any]:
@@ -244,10 +226,10 @@ class AsyncLLM:
         elif loop is not self._loop:
             raise RuntimeError("AsyncLLM: used from a second event loop")
 
-    async def call(self, verb: str, **arguments: Any) -> Any:
-        """Invoke a control verb (verbs.py) by name; the named methods above are this with
-        their arguments. Refused arguments raise InvalidArgument naming the field, before
-        anything reaches the engine."""
+    async def call(self, verb: str | type[Args], **arguments: Any) -> Any:
+        """Invoke a control verb (verbs.py: its class, or its name); the verbs' methods are
+        this with their arguments. Refused arguments raise InvalidArgument naming the field,
+        before anything reaches the engine."""
         return await self.call_with(make_args(verb, arguments))
 
     async def call_with(self, args: Args) -> Any:
@@ -258,7 +240,7 @@ class AsyncLLM:
         self._calls[call_id] = future
         self.client.call_utility(UtilityCall(call_id, args))
         answer = await future
-        self._loras.observe(verb_name(args), args, answer)
+        self._loras.observe(args, answer)
         return answer
 
     def _from_engine(self, batch: EngineCoreOutputs) -> None:

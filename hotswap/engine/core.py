@@ -1,12 +1,15 @@
 """EngineCore: owns the scheduler and the model runner; one `step()` is one batch.
 
-The core composes one manager per concern and keeps the engine's public methods as thin
-delegates to them (the loop's verb handlers, `LLM` and the tests call these):
+The core composes one manager per concern; each handles the control verbs on its state
+(`@handles(Verb)`, handlers.py), and the core keeps only what its step loops need (adding,
+aborting, stepping, and whether a pause is complete):
 
 - `RequestManager` (request_manager.py): admitting, aborting and advancing requests;
 - `PauseManager` (pause.py): pause states and when a pause call may return;
 - `SleepManager` (sleep.py): sleep levels, what they free, and waking by tag;
-- `WeightManager` (weights.py): every write of the weights and the version it commits;
+- `WeightManager` (weights/manager.py): every write of the weights and the version it
+  commits, the trainer's channel;
+- `LoRAManager` (lora/manager.py): the LoRA adapters by name and version;
 - `EngineStats` (stats.py): the `get_stats` answer and recent step times;
 - `WorkerRpc` (rpc.py): `collective_rpc` into the worker extension.
 
@@ -23,6 +26,7 @@ import torch
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.handlers import Deferred, Outputs, bind, handler_table
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
 from hotswap.engine.pause import PauseManager
 from hotswap.engine.request_manager import RequestManager
@@ -30,12 +34,17 @@ from hotswap.engine.rpc import WorkerRpc
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sleep import SleepManager, SleepState
 from hotswap.engine.stats import EngineStats
-from hotswap.engine.verbs import InlineTensor
+from hotswap.engine.verbs import Args, verb_name
 from hotswap.errors import InvalidArgument
 from hotswap.execution.runner import ModelRunner
 from hotswap.lora.manager import LoRAManager
 from hotswap.weights.manager import WeightManager
 from hotswap.weights.sync import WeightSync
+
+# The managers a core is composed of; every control verb is handled by one of them.
+MANAGERS = (RequestManager, PauseManager, SleepManager, WeightManager, LoRAManager, EngineStats,
+            WorkerRpc)  # fmt: skip
+HANDLERS = handler_table(MANAGERS)  # verb name -> (the manager class, its handler's name)
 
 
 class EngineCore:
@@ -56,7 +65,11 @@ class EngineCore:
             config.scheduler, config.cache, self.runner.num_blocks, max_loras
         )
         self.loras = LoRAManager(
-            config.lora, self.runner.model, config.model.dtype, config.allowed_weight_dirs
+            config.lora,
+            self.runner.model,
+            config.model.dtype,
+            config.allowed_weight_dirs,
+            lambda: self.request_manager.adapters_in_use(),
         )
         self.vocab_size = config.model.vocab_size
         self.versions = WeightVersion()  # +1 per committed update
@@ -72,7 +85,6 @@ class EngineCore:
         )
         runner, scheduler, sleep_state = self.runner, self.scheduler, self.sleep_state
         self.request_manager = RequestManager(config, scheduler, runner, self.versions, self.loras)
-        self.rpc = WorkerRpc(config, runner)
         self.pause_manager = PauseManager(
             scheduler, self.request_manager, lambda: sleep_state.weights_missing
         )
@@ -89,6 +101,9 @@ class EngineCore:
             self.versions,
         )
         self.stats = EngineStats(scheduler, runner, sleep_state, self.weight_sync, self.versions)
+        self.rpc = WorkerRpc(config, runner, self.weight_manager.load_from_disk)
+        # Each verb's handler, bound to this core's manager of its class, by Args class.
+        self.handlers = bind(HANDLERS, vars(self).values())
 
     # -- the step -------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -134,90 +149,24 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.request_manager.has_unfinished()
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> int:
-        return self.request_manager.reset_prefix_cache(reset_running_requests)
-
-    # -- pause / resume (PauseManager; a resume while asleep: SleepManager) ---------------
-    def pause(self, mode: str, clear_cache: bool = True) -> list[EngineCoreOutput]:
-        return self.pause_manager.pause(mode, clear_cache)
-
+    # -- control verbs (each handled by its manager) and when a pause is complete ----------
     def pause_complete(self) -> bool:
         return self.pause_manager.pause_complete()
 
-    def finish_pause(self, clear_cache: bool) -> None:
-        self.pause_manager.finish_pause(clear_cache)
-
-    def resume(self) -> None:
-        self.sleep_manager.resume()
-
-    def is_paused(self) -> bool:
-        return self.pause_manager.is_paused()
-
-    # -- sleep (SleepManager) -------------------------------------------------------------
-    def sleep(self, level: int, mode: str = "abort") -> list[EngineCoreOutput]:
-        return self.sleep_manager.sleep(level, mode)
-
-    def finish_sleep(self, level: int) -> None:
-        self.sleep_manager.finish_sleep(level)
-
-    def wake_up(self, tags: list[str] | None = None) -> dict[str, object]:
-        return self.sleep_manager.wake_up(tags)
-
-    # -- weights (WeightManager) ----------------------------------------------------------
-    def load_weights_from_disk(
-        self, model_dir: str, label: str | None = None
-    ) -> list[EngineCoreOutput]:
-        return self.weight_manager.load_from_disk(model_dir, label)
-
-    def load_weights_inline(
-        self, tensors: list[InlineTensor], label: str | None = None
-    ) -> list[EngineCoreOutput]:
-        return self.weight_manager.load_inline(tensors, label)
-
-    def leave_weight_transfer(self) -> bool:
-        return self.weight_manager.leave_transfer()
-
-    def start_weight_update(
-        self,
-        is_checkpoint_format: bool = True,
-        lora_name: str | None = None,
-        lora_config: dict | None = None,
-    ) -> None:
-        self.weight_manager.start_update(is_checkpoint_format, lora_name, lora_config)
-
-    def finish_weight_update(
-        self, label: str | None = None, abort: bool = False, kv_policy: str | None = None
-    ) -> list[EngineCoreOutput]:
-        return self.weight_manager.finish_update(label, abort, kv_policy)
-
-    def update_weight_version(self, label: str) -> list[EngineCoreOutput]:
-        return self.weight_manager.commit(label)
-
-    def get_weight_version(self) -> dict[str, int | str]:
-        return self.weight_manager.get_version()
-
-    def set_weight_label(self, label: str) -> dict[str, int | str]:
-        return self.weight_manager.set_label(label)
-
-    def weight_checksums(self) -> dict[str, str] | None:
-        return self.weight_manager.checksums()
-
-    def weight_info(self) -> dict[str, object]:
-        return self.weight_manager.info()
-
-    def committed_weights(self, digest: bool) -> dict[str, object]:
-        return self.weight_manager.committed(digest)
+    def run_now(self, args: Args) -> tuple[object, Outputs]:
+        """Run a verb to its answer on an engine with nothing in flight between calls (the
+        offline `LLM`): a deferred answer is complete at once there."""
+        out: Outputs = []
+        result = self.handlers[type(args)](args, out)
+        if isinstance(result, Deferred):
+            if not self.pause_complete():
+                raise RuntimeError(f"{verb_name(args)}: cannot complete with requests running")
+            result = result.complete()
+        return result, out
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (none without tensor parallelism)."""
         self.runner.close()
-
-    # -- stats and RPC --------------------------------------------------------------------
-    def get_stats(self) -> dict[str, int | float | str]:
-        return self.stats.get_stats()
-
-    def collective_rpc(self, method: str, args: list, kwargs: dict) -> list:
-        return self.rpc.call(method, args, kwargs)
 
 
 def _check_kv_capacity(num_blocks: int, config: EngineConfig) -> None:

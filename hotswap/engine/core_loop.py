@@ -31,7 +31,7 @@ from typing import Any
 from hotswap.engine import verbs
 from hotswap.engine.core import EngineCore
 from hotswap.engine.errors import EngineStateError
-from hotswap.engine.handlers import HANDLERS, Deferred
+from hotswap.engine.handlers import Deferred
 from hotswap.engine.messages import (
     CallError,
     EngineCoreOutput,
@@ -152,7 +152,7 @@ class EngineCoreLoop:
 
     # -- control calls ----------------------------------------------------------------------
     def _call(self, call: UtilityCall) -> None:
-        behind_channel = verbs.verb_of(call.args).behind_channel
+        behind_channel = call.args.behind_channel
         if behind_channel and self.joining is not None:
             self._call_while_joining(call)
         elif behind_channel and (self.background_busy or self.deferred):
@@ -177,7 +177,7 @@ class EngineCoreLoop:
                     "init_weight_transfer_engine: cancelled by finish_weight_update(abort=True)"
                 )
                 self._answer(self.joining.call_id, error=error)
-            self._answer(call.call_id, self.core.committed_weights(digest=False))
+            self._answer(call.call_id, self.core.weight_manager.committed(digest=False))
             return
         state = "is being cancelled" if self.join_cancelled else "is waiting for the trainer"
         self._answer(
@@ -189,7 +189,7 @@ class EngineCoreLoop:
         )
 
     def _dispatch(self, call: UtilityCall) -> None:
-        if verbs.verb_of(call.args).on_worker:
+        if call.args.on_worker:
             self.background_busy = True
             if isinstance(call.args, verbs.InitWeightTransfer):
                 self.joining, self.join_cancelled = call, False
@@ -211,7 +211,7 @@ class EngineCoreLoop:
         """(answer, None) or (None, the error to answer with). Outputs a call produced
         (requests it aborted) are queued ahead of its answer."""
         try:
-            return HANDLERS[call.verb](self.core, call.args, self.outputs), None
+            return self.core.handlers[type(call.args)](call.args, self.outputs), None
         except (ValueError, TypeError, EngineStateError) as e:
             return None, e
         except Exception as e:  # noqa: BLE001

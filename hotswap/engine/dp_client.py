@@ -79,7 +79,7 @@ class DPEngineClient(EngineCoreClient):
         self.active: list[set[str]] = [set() for _ in self.ranks]
         self.routed = [0] * len(self.ranks)  # requests sent to each rank, ever
         self.answers: dict[int, list[UtilityResult | None]] = {}
-        self.methods: dict[int, str] = {}
+        self.methods: dict[int, type[verbs.Args]] = {}  # call id -> its verb
         self.on_outputs: OutputHandler | None = None
         # Whether core i joins a broadcast group as worker rank_offset + i (m2n's ranks
         # place themselves by their core's data_parallel_rank instead).
@@ -112,7 +112,7 @@ class DPEngineClient(EngineCoreClient):
     def call_utility(self, call: UtilityCall) -> None:
         with self.lock:
             self.answers[call.call_id] = [None] * len(self.ranks)
-            self.methods[call.call_id] = call.verb
+            self.methods[call.call_id] = type(call.args)
         for index, rank in enumerate(self.ranks):
             args = _args_for(call.args, index if self.shifts else 0)
             rank.call_utility(UtilityCall(call.call_id, args))
@@ -173,17 +173,18 @@ def _args_for(args: verbs.Args, shift: int) -> verbs.Args:
     return args
 
 
-def _merge_safely(method: str, results: list[UtilityResult]) -> UtilityResult:
+def _merge_safely(verb: type[verbs.Args], results: list[UtilityResult]) -> UtilityResult:
     """A merge that fails answers the call with the error instead of killing the rank's
     receiver thread (which would leave every later call unanswered)."""
     try:
-        return _merge(method, results)
+        return _merge(verb, results)
     except Exception as e:  # noqa: BLE001
-        message = f"merging the ranks' answers to {method} failed: {e}"
+        message = f"merging the ranks' answers to {verbs.verb_name(verb)} failed: {e}"
         return UtilityResult(results[0].call_id, error=CallError("internal", message))
 
 
-def _merge(method: str, results: list[UtilityResult]) -> UtilityResult:
+def _merge(verb: type[verbs.Args], results: list[UtilityResult]) -> UtilityResult:
+    """The ranks' answers as one, as the verb declares (`verb.merge`); the first error."""
     for rank, result in enumerate(results):
         if result.error is not None:
             error = result.error
@@ -191,7 +192,7 @@ def _merge(method: str, results: list[UtilityResult]) -> UtilityResult:
             return UtilityResult(result.call_id, error=CallError(error.kind, message, error.field))
     first = results[0]
     values = [r.result for r in results]
-    merge = verbs.VERBS[method].merge
+    merge = verb.merge
     if merge == verbs.Merge.SUM:
         return UtilityResult(first.call_id, result=sum(values))
     if merge == verbs.Merge.ANY:

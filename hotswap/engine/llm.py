@@ -13,15 +13,15 @@ from tqdm import tqdm
 
 from hotswap.engine.core import EngineCore
 from hotswap.engine.errors import EngineDeadError
-from hotswap.engine.handlers import run_now
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import Prompt, encode_prompt, prepare_params, prompt_cache_salt
-from hotswap.engine.verb_methods import verb_method
-from hotswap.engine.verbs import make_args
+from hotswap.engine.verb_methods import with_verb_methods
+from hotswap.engine.verbs import Args, CollectiveRpc, LoadWeightsInline, make_args
 from hotswap.engine_args import EngineArgs
 from hotswap.execution.host_memory import return_freed_memory
-from hotswap.lora.request import LoadedAdapters, LoRARequest
+from hotswap.lora.loaded import LoadedAdapters
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -37,7 +37,12 @@ class _ShutDown:
         raise EngineDeadError("LLM was shut down")
 
 
+@with_verb_methods(coroutine=False)
 class LLM:
+    """Offline generation, and a method per control verb (verb_methods.py: `sleep`,
+    `finish_weight_update`, ...; their parameters are the verbs' arguments), run between
+    two `generate` calls, besides the few written out below."""
+
     def __init__(
         self, model: str | None = None, *, progress: bool = True, **engine_args: Any
     ) -> None:
@@ -115,15 +120,15 @@ class LLM:
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    # -- control verbs (verbs.py); the named methods below are `call` with their arguments --
-    def call(self, verb: str, **arguments: Any) -> Any:
-        """Invoke a control verb by name, between two `generate` calls (nothing is in
-        flight then, so a pause or sleep completes at once). Refused arguments raise
-        InvalidArgument naming the field; outputs the verb produced are discarded (no
-        request outlives `generate`)."""
+    # -- control verbs (verbs.py); the verbs' methods are `call` with their arguments ------
+    def call(self, verb: str | type[Args], **arguments: Any) -> Any:
+        """Invoke a control verb (its class, or its name) between two `generate` calls
+        (nothing is in flight then, so a pause or sleep completes at once). Refused
+        arguments raise InvalidArgument naming the field; outputs the verb produced are
+        discarded (no request outlives `generate`)."""
         args = make_args(verb, arguments)
-        result, _ = run_now(self.engine, args)
-        self._loras.observe(verb, args, result)
+        result, _ = self.engine.run_now(args)
+        self._loras.observe(args, result)
         return result
 
     def collective_rpc(
@@ -131,7 +136,7 @@ class LLM:
     ) -> list[Any]:
         """Call `method` of the worker extension (`worker_extension_cls`): one result per
         tensor-parallel rank."""
-        return self.call("collective_rpc", method=method, args=list(args), kwargs=kwargs or {})
+        return self.call(CollectiveRpc, method=method, args=list(args), kwargs=kwargs or {})
 
     def shutdown(self) -> None:
         """Stop the engine's tensor-parallel workers and free its weights and KV cache
@@ -145,29 +150,10 @@ class LLM:
         gc.collect()  # the engine's objects refer to each other
         return_freed_memory()
 
-    # -- the verbs' methods (verb_methods.py): parameters are the verbs' arguments -------
-    reset_prefix_cache = verb_method("reset_prefix_cache")
-
-    # -- weights (docs/design.md §4): the four phases, a version label, what is loaded ------------
-    init_weight_transfer_engine = verb_method("init_weight_transfer_engine")
-    start_weight_update = verb_method("start_weight_update")
-    update_weights = verb_method("update_weights")
-    prepare_weight_update = verb_method("prepare_weight_update")
-    finish_weight_update = verb_method("finish_weight_update")
-    update_weight_version = verb_method("update_weight_version")
-    get_world_size = verb_method("get_world_size")
-    get_weight_info = verb_method("get_weight_info")
-    load_weights_from_disk = verb_method("load_weights_from_disk")
-
-    # -- LoRA adapters (what the core holds is followed in `call`) -----------------------
-    load_lora_adapter = verb_method("load_lora_adapter")
-    unload_lora_adapter = verb_method("unload_lora_adapter")
-    list_lora_adapters = verb_method("list_lora_adapters")
-
+    # LoRA adapters: what the core holds is followed in `call`
     def _ensure_loaded(self, lora: LoRARequest) -> None:
         if self._loras.needs_load(lora):
-            self.call("load_lora_adapter", lora_name=lora.lora_name, lora_path=lora.lora_path,
-                      load_inplace=True)  # fmt: skip
+            self.load_lora_adapter(lora.lora_name, lora.lora_path, load_inplace=True)
 
     # A body of its own: it turns tensors into the verb's inline form.
     def load_weights_inline(
@@ -177,7 +163,7 @@ class LLM:
     ) -> dict[str, Any]:
         """Load these tensors by value (only they change); see AsyncLLM."""
         return self.call(
-            "load_weights_inline", tensors=inline_tensors(tensors), weight_version=weight_version
+            LoadWeightsInline, tensors=inline_tensors(tensors), weight_version=weight_version
         )
 
     # -- internals ------------------------------------------------------------------------

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.handlers import Deferred, Outputs, handles
 from hotswap.engine.messages import EngineCoreOutput
 from hotswap.engine.request_manager import RequestManager
 from hotswap.engine.scheduler import PauseState, Scheduler
+from hotswap.engine.verbs import IsPaused, Pause
 
 
 class PauseManager:
@@ -47,6 +49,11 @@ class PauseManager:
         self.scheduler.set_pause_state(max(self.scheduler.pause_state, wanted))
         return outputs
 
+    @handles(Pause)
+    def on_pause(self, args: Pause, out: Outputs) -> Deferred:
+        out.extend(self.pause(args.mode, args.clear_cache))
+        return Deferred(lambda: self.finish_pause(args.clear_cache))
+
     def pause_complete(self) -> bool:
         """`keep`: at once (the loop only calls this between steps); `abort`/`wait`: when no
         started request remains; a resume that overtook the pause also ends the wait."""
@@ -67,3 +74,7 @@ class PauseManager:
 
     def is_paused(self) -> bool:
         return self.scheduler.pause_state != PauseState.UNPAUSED
+
+    @handles(IsPaused)
+    def on_is_paused(self, args: IsPaused, out: Outputs) -> bool:
+        return self.is_paused()

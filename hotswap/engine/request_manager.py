@@ -7,10 +7,12 @@ from collections.abc import Iterable, Mapping
 
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion, finished_output, step_output
+from hotswap.engine.handlers import Outputs, handles
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
 from hotswap.engine.prompts import check_prompt
 from hotswap.engine.request import Request, RequestStatus
 from hotswap.engine.scheduler import PauseState, Scheduler, SchedulerOutput
+from hotswap.engine.verbs import ResetPrefixCache
 from hotswap.errors import InvalidArgument
 from hotswap.execution.runner import ModelRunner
 from hotswap.lora.manager import LoRAManager
@@ -92,6 +94,10 @@ class RequestManager:
         if reset_running_requests:
             self.scheduler.drop_running_kv()
         return self.scheduler.kv.reset_prefix_cache()
+
+    @handles(ResetPrefixCache)
+    def on_reset_prefix_cache(self, args: ResetPrefixCache, out: Outputs) -> int:
+        return self.reset_prefix_cache(args.reset_running_requests)
 
     def run(self, plan: SchedulerOutput) -> list[EngineCoreOutput]:
         """Run one scheduled (non-empty) batch on the model; the outputs of the requests

@@ -8,11 +8,15 @@ from typing import Any
 
 from hotswap.config import EngineConfig
 from hotswap.engine.extension import WorkerExtension, load_extension_class
+from hotswap.engine.handlers import Outputs, handles
+from hotswap.engine.messages import EngineCoreOutput
+from hotswap.engine.verbs import CollectiveRpc
 from hotswap.errors import InvalidArgument
 from hotswap.execution.runner import ModelRunner
 from hotswap.model.parallel import TPGroup
 
 RPC_CALL = "worker_rpc"  # the call rank 0 sends the other ranks (execution/rank_process.py)
+RELOAD_WEIGHTS = "reload_weights"  # vLLM's built-in worker method
 
 
 class WorkerRpc:
@@ -25,11 +29,32 @@ class WorkerRpc:
     may have changed (derived copies are remade), but no version is committed: that takes
     `update_weight_version`."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        load_from_disk: Callable[[str], list[EngineCoreOutput]],
+    ) -> None:
+        self.config = config
         self.runner = runner
+        self.load_from_disk = load_from_disk  # a disk reload, committed (WeightManager's)
         self.extension: WorkerExtension | None = None
         if config.worker_extension_cls is not None:
             self.extension = make_extension(config, runner)
+
+    @handles(CollectiveRpc)
+    def on_collective_rpc(self, args: CollectiveRpc, out: Outputs) -> list[Any]:
+        """One result per tensor-parallel rank: the DP front-end concatenates the cores'
+        lists (Merge.PER_RANK). `reload_weights` is vLLM's built-in worker method (reload
+        the served checkpoint, e.g. after a level-2 sleep) unless the extension defines its
+        own: here a disk reload of the model directory, committed as a new version."""
+        extension = self.extension
+        if args.method == RELOAD_WEIGHTS and (
+            extension is None or RELOAD_WEIGHTS not in extension.methods
+        ):
+            out.extend(self.load_from_disk(str(self.config.model.path)))
+            return [None] * self.config.tensor_parallel_size
+        return self.call(args.method, args.args, args.kwargs)
 
     def call(self, method: str, args: list, kwargs: dict) -> list[Any]:
         """Call a method of the worker extension (see worker.py) on every rank: their

@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.handlers import Deferred, Outputs, handles
 from hotswap.engine.messages import EngineCoreOutput
 from hotswap.engine.pause import PauseManager
+from hotswap.engine.verbs import IsSleeping, Resume, Sleep, WakeUp, verb_name
 from hotswap.execution.runner import ModelRunner
 from hotswap.weights.sync import WeightSync
 
@@ -86,12 +88,17 @@ class SleepManager:
                 "sleep mode is not enabled: start the engine with enable_sleep_mode=True "
                 "(--enable-sleep-mode)"
             )
-        self.weight_sync.refuse_during_round("sleep")
+        self.weight_sync.refuse_during_round(verb_name(Sleep))
         if not self.state.is_sleeping:
             self.state.resume_on_wake = not self.pauses.is_paused()
         outputs = self.pauses.pause(mode, clear_cache=level >= 1)
         self.state.pending = True
         return outputs
+
+    @handles(Sleep)
+    def on_sleep(self, args: Sleep, out: Outputs) -> Deferred:
+        out.extend(self.sleep(args.level, args.mode))
+        return Deferred(lambda: self.finish_sleep(args.level))
 
     def finish_sleep(self, level: int) -> None:
         self.state.pending = False
@@ -107,9 +114,14 @@ class SleepManager:
         self.state.level = max(self.state.level, level)
         self.state.asleep |= tags_for_level(level)
 
-    def wake_up(self, tags: list[str] | None = None) -> dict[str, object]:
+    @handles(IsSleeping)
+    def on_is_sleeping(self, args: IsSleeping, out: Outputs) -> bool:
+        return self.state.is_sleeping
+
+    @handles(WakeUp)
+    def on_wake_up(self, args: WakeUp, out: Outputs) -> dict[str, object]:
         state = self.state
-        order = state.wake_order(tags)
+        order = state.wake_order(args.tags)
         for tag in order:
             if tag == WEIGHTS:
                 self.runner.weights_changed()
@@ -124,8 +136,12 @@ class SleepManager:
             state.level = 0
         return {"is_sleeping": state.is_sleeping, "tags_woken": order}
 
+    @handles(Resume)
+    def on_resume(self, args: Resume, out: Outputs) -> None:
+        self.resume()
+
     def resume(self) -> None:
-        """The `resume` verb: unpause now, or when scheduling wakes if the engine sleeps."""
+        """Unpause now, or when scheduling wakes if the engine sleeps."""
         if self.state.is_sleeping:
             self.state.resume_on_wake = True
             return

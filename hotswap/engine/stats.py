@@ -7,8 +7,10 @@ import statistics
 from collections import deque
 
 from hotswap.engine.core_outputs import WeightVersion
+from hotswap.engine.handlers import Outputs, handles
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sleep import SleepState
+from hotswap.engine.verbs import GetStats
 from hotswap.execution.runner import ModelRunner
 from hotswap.weights.sync import WeightSync
 
@@ -39,6 +41,10 @@ class EngineStats:
 
     def record_step(self, seconds: float) -> None:
         self.step_seconds.append(seconds)
+
+    @handles(GetStats)
+    def on_get_stats(self, args: GetStats, out: Outputs) -> dict[str, int | float | str]:
+        return self.get_stats()
 
     def get_stats(self) -> dict[str, int | float | str]:
         sched = self.scheduler

@@ -1,11 +1,14 @@
 """The control verbs: every call a front-end can make to an engine core, declared once.
 
-A verb is its arguments (a msgspec struct whose tag is the verb's name, with the
-constraints the arguments must meet), how data-parallel ranks' answers merge, and how it
-runs beside a weight transfer. Everything else is generic over this table: the engine-core
-loop dispatches by it (hotswap/engine/handlers.py holds one handler per verb), `AsyncLLM`,
-`LLM` and the DP client call by it, and the HTTP dialects map their routes onto it. Only
-declared verbs can be invoked: the wire decoder knows no other tag.
+A verb is one class: its arguments (a msgspec struct whose tag is the verb's name, with the
+constraints the arguments must meet), and, as class attributes, how data-parallel ranks'
+answers merge and how it runs beside a weight transfer. Everything else is generic over
+this table (`VERBS`, read from the classes): the engine core's managers handle a verb by
+its class (`@handles(FinishWeightUpdate)`, hotswap/engine/handlers.py), the engine-core
+loop dispatches by the arguments' class, `AsyncLLM`, `LLM` and the Ray engine actor have a
+method per verb made from it (verb_methods.py), the DP client merges by it, and the HTTP
+dialects map their routes onto it. Adding a verb is: its class here, its handler, its
+route. Only declared verbs can be invoked: the wire decoder knows no other tag.
 
 Arguments are validated once, where they enter (`make_args`), and a refusal names its
 field (`InvalidArgument.field`), so an HTTP 400 says which field without parsing text.
@@ -16,12 +19,11 @@ from __future__ import annotations
 import enum
 import functools
 import typing
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from hotswap.engine.errors import InvalidArgument
+from hotswap.errors import InvalidArgument
 from hotswap.msgspec_errors import describe, nested_refusal, shown
 from hotswap.weight_transfer.dtypes import DTYPE_NAMES
 
@@ -68,7 +70,18 @@ class Merge(enum.Enum):
 
 
 class Args(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True, tag=True):
-    """Base of every verb's arguments; the tag (the class's verb name) names the verb."""
+    """Base of every verb's arguments; the tag (the class's verb name) names the verb. A
+    verb overrides the class attributes below where it differs (they are not arguments)."""
+
+    # How the answers of data-parallel ranks become one (dp_client.py).
+    merge: ClassVar[Merge] = Merge.FIRST
+    # Uses the weights or the transfer channel: waits (in arrival order) while a call runs
+    # on the worker thread, and is refused while an init waits for its trainer.
+    behind_channel: ClassVar[bool] = False
+    # Blocks on the trainer, not on the engine: runs on the worker thread.
+    on_worker: ClassVar[bool] = False
+    # The name of the clients' method (verb_methods.py) where it is not the verb's own.
+    client_name: ClassVar[str | None] = None
 
 
 # -- scheduling ------------------------------------------------------------------------------
@@ -76,21 +89,25 @@ class Pause(Args, tag="pause"):
     """Pause as docs/design.md §3: returns once the mode's condition holds and every output
     produced before it has reached its stream. Invalid mode: refused, no change."""
 
+    client_name = "pause_generation"
+
     mode: PauseMode = "abort"
     clear_cache: bool = True
 
 
 class Resume(Args, tag="resume"):
-    pass
+    client_name = "resume_generation"
 
 
 class IsPaused(Args, tag="is_paused"):
-    pass
+    merge = Merge.ANY
 
 
 class ResetPrefixCache(Args, tag="reset_prefix_cache"):
     """Forget cached prefixes (returns how many blocks were cached); with
     `reset_running_requests` running requests recompute their KV too."""
+
+    merge = Merge.SUM
 
     reset_running_requests: bool = False
 
@@ -98,11 +115,15 @@ class ResetPrefixCache(Args, tag="reset_prefix_cache"):
 class GetStats(Args, tag="get_stats"):
     """Queue sizes, KV usage, pause state and weight version of the engine core."""
 
+    merge = Merge.STATS
+
 
 # -- sleep -----------------------------------------------------------------------------------
 class Sleep(Args, tag="sleep"):
     """Pause with `mode`, then level 0 stops scheduling, 1 also frees the KV cache and
     offloads the weights, 2 discards the weights (send or load them after waking)."""
+
+    behind_channel = True
 
     level: Literal[0, 1, 2] = 1
     mode: PauseMode = "abort"
@@ -112,17 +133,21 @@ class WakeUp(Args, tag="wake_up"):
     """Wake `tags` (weights, kv_cache, scheduling; None = all that sleep). Returns
     {is_sleeping, tags_woken}."""
 
+    behind_channel = True
+
     tags: list[SleepTag] | None = None
 
 
 class IsSleeping(Args, tag="is_sleeping"):
-    pass
+    merge = Merge.ANY
 
 
 # -- weights ---------------------------------------------------------------------------------
 class LoadWeightsFromDisk(Args, tag="load_weights_from_disk"):
     """Reload all weights from a safetensors directory between two steps (all or
     nothing) and commit a new version; returns {version, label}."""
+
+    behind_channel = True
 
     model_path: Path
     weight_version: Label | None = None  # the new version's label (default: model_path)
@@ -147,6 +172,8 @@ class LoadWeightsInline(Args, tag="load_weights_inline"):
     as a disk reload does, and commit a new version. Their size is the caller's to bound:
     over HTTP, the request body limit (--max-request-body-bytes) does."""
 
+    behind_channel = True
+
     tensors: Annotated[
         list[InlineTensor], msgspec.Meta(min_length=1, description="a non-empty list of tensors")
     ]
@@ -157,11 +184,15 @@ class InitWeightTransfer(Args, tag="init_weight_transfer_engine"):
     """Join the trainer's channel (the configured backend's `init_info`); may block
     until the trainer joins too."""
 
+    behind_channel = on_worker = True
+
     init_info: InitInfo  # the backend's init info (as sent: unknown keys travel on)
 
 
 class LeaveWeightTransfer(Args, tag="leave_weight_transfer"):
     """Leave the trainer's channel between rounds (SGLang's destroy, TRL's close)."""
+
+    merge, behind_channel = Merge.ANY, True
 
 
 class StartWeightUpdate(Args, tag="start_weight_update"):
@@ -171,6 +202,8 @@ class StartWeightUpdate(Args, tag="start_weight_update"):
     its commit is the adapter's next version; `lora_config` (adapter_config.json's r,
     lora_alpha, target_modules...) declares a new adapter, which the round sends whole."""
 
+    behind_channel = True
+
     is_checkpoint_format: bool = True
     lora_name: Name | None = None
     lora_config: JSONObject | None = None
@@ -178,6 +211,8 @@ class StartWeightUpdate(Args, tag="start_weight_update"):
 
 class UpdateWeights(Args, tag="update_weights"):
     """Receive one chunk (validated, staged; the model is not touched yet)."""
+
+    behind_channel = on_worker = True
 
     update_info: UpdateInfo  # the backend's update info (as sent: unknown keys travel on)
 
@@ -187,6 +222,8 @@ class PrepareWeightUpdate(Args, tag="prepare_weight_update"):
     (e.g. an incomplete round under `require_complete`), apply nothing; the round stays
     open. Returns the number of staged tensors."""
 
+    behind_channel = True
+
 
 class FinishWeightUpdate(Args, tag="finish_weight_update"):
     """Apply the staged weights all at once and commit version + 1 labelled
@@ -194,6 +231,8 @@ class FinishWeightUpdate(Args, tag="finish_weight_update"):
     digest} as of this commit: `digest` (a blake2b of the weights, as `get_weight_info`
     gives) only when asked for, since it reads every weight, otherwise None; with
     `checksum`, also `checksums` (one SHA-256 per tensor, vLLM's)."""
+
+    merge, behind_channel = Merge.DIGEST, True
 
     weight_version: Label | None = None  # the new version's label (default: the current)
     abort: bool = False
@@ -208,9 +247,13 @@ class FinishWeightUpdate(Args, tag="finish_weight_update"):
 class GetWorldSize(Args, tag="get_world_size"):
     """Receiving workers behind this engine (a broadcast group is this + 1)."""
 
+    merge, behind_channel = Merge.SUM, True
+
 
 class GetWeightInfo(Args, tag="get_weight_info"):
     """{version, label, digest} of the loaded weights."""
+
+    merge = Merge.DIGEST
 
 
 class UpdateWeightVersion(Args, tag="update_weight_version"):
@@ -230,11 +273,13 @@ class UpdateWeightLabel(Args, tag="update_weight_label"):
 
 
 class WeightUpdateActive(Args, tag="weight_update_active"):
-    pass
+    merge = Merge.ANY
 
 
 class GetWeightChecksums(Args, tag="get_weight_checksums"):
     """vLLM's per-tensor SHA-256 checksums of the loaded weights (its weight checker)."""
+
+    merge = Merge.UNION
 
 
 # -- LoRA adapters -------------------------------------------------------------------------
@@ -276,6 +321,9 @@ class CollectiveRpc(Args, tag="collective_rpc"):
     """Call a public method of the worker extension named at start (worker.py) on every
     engine core; answered with one result per core."""
 
+    # It may touch the weights: it waits behind a transfer, like a round's phases.
+    merge, behind_channel = Merge.PER_RANK, True
+
     method: Name
     args: list[Any] = msgspec.field(default_factory=list)
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
@@ -286,77 +334,40 @@ def verb_name(args: type[Args] | Args) -> str:
     return cls.__struct_config__.tag  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class Verb:
-    args: type[Args]
-    merge: Merge = Merge.FIRST
-    # Uses the weights or the transfer channel: waits (in arrival order) while a call runs
-    # on the worker thread, and is refused while an init waits for its trainer.
-    behind_channel: bool = False
-    # Blocks on the trainer, not on the engine: runs on the worker thread.
-    on_worker: bool = False
-
-    @property
-    def name(self) -> str:
-        return verb_name(self.args)
-
-
-VERBS: dict[str, Verb] = {
-    verb.name: verb
-    for verb in (
-        Verb(Pause),
-        Verb(Resume),
-        Verb(IsPaused, Merge.ANY),
-        Verb(ResetPrefixCache, Merge.SUM),
-        Verb(GetStats, Merge.STATS),
-        Verb(Sleep, behind_channel=True),
-        Verb(WakeUp, behind_channel=True),
-        Verb(IsSleeping, Merge.ANY),
-        Verb(LoadWeightsFromDisk, behind_channel=True),
-        Verb(LoadWeightsInline, behind_channel=True),
-        Verb(InitWeightTransfer, behind_channel=True, on_worker=True),
-        Verb(LeaveWeightTransfer, Merge.ANY, behind_channel=True),
-        Verb(StartWeightUpdate, behind_channel=True),
-        Verb(UpdateWeights, behind_channel=True, on_worker=True),
-        Verb(PrepareWeightUpdate, behind_channel=True),
-        Verb(FinishWeightUpdate, Merge.DIGEST, behind_channel=True),
-        Verb(GetWorldSize, Merge.SUM, behind_channel=True),
-        Verb(GetWeightInfo, Merge.DIGEST),
-        Verb(UpdateWeightVersion),
-        Verb(GetWeightVersion),
-        Verb(UpdateWeightLabel),
-        Verb(WeightUpdateActive, Merge.ANY),
-        Verb(GetWeightChecksums, Merge.UNION),
-        Verb(LoadLoraAdapter),
-        Verb(CommitLoraAdapter),
-        Verb(UnloadLoraAdapter),
-        Verb(ListLoraAdapters),
-        # It may touch the weights: it waits behind a transfer, like a round's phases.
-        Verb(CollectiveRpc, Merge.PER_RANK, behind_channel=True),
-    )
-}
+# Every declared verb by name, in declaration order: the classes above.
+VERBS: dict[str, type[Args]] = {verb_name(cls): cls for cls in Args.__subclasses__()}
 
 # What a UtilityCall carries: exactly one declared verb's arguments (a tagged union).
-AnyArgs = typing.Union[tuple(verb.args for verb in VERBS.values())]  # noqa: UP007
+AnyArgs = typing.Union[tuple(VERBS.values())]  # noqa: UP007
 
 
-def verb_of(args: Args) -> Verb:
-    return VERBS[verb_name(args)]
-
-
-def make_args(
-    verb: str, values: dict[str, Any], *, lax: bool = False, backend: str | None = None
-) -> Args:
-    """The verb's arguments from `values`, each checked against its declared type and
-    constraints (a transfer info: as `backend`'s, if given); InvalidArgument names the first
-    field refused. `lax` accepts the string forms a query string carries ("false", "1")."""
+def verb_class(verb: str | type[Args]) -> type[Args]:
+    """The verb's class, given it or its name (a caller's string: InvalidArgument on
+    `method` if no verb has that name)."""
+    if isinstance(verb, type):
+        return verb
     declared = VERBS.get(verb)
     if declared is None:
         raise InvalidArgument("method", f"method: {verb!r} is not a control verb")
-    fields = argument_fields(verb)
+    return declared
+
+
+def make_args(
+    verb: str | type[Args],
+    values: dict[str, Any],
+    *,
+    lax: bool = False,
+    backend: str | None = None,
+) -> Args:
+    """The verb's (its class, or its name) arguments from `values`, each checked against
+    its declared type and constraints (a transfer info: as `backend`'s, if given);
+    InvalidArgument names the first field refused. `lax` accepts the string forms a query
+    string carries ("false", "1")."""
+    declared = verb_class(verb)
+    fields = argument_fields(declared)
     for name in values:
         if name not in fields:
-            raise InvalidArgument(name, f"{name}: {verb} takes no such argument")
+            raise InvalidArgument(name, f"{name}: {verb_name(declared)} takes no such argument")
     checked = {}
     for name, value in values.items():
         checked[name] = _convert(name, value, fields[name].type, lax)
@@ -367,13 +378,13 @@ def make_args(
     missing = [f.name for f in fields.values() if f.required and f.name not in checked]
     if missing:
         raise InvalidArgument(missing[0], f"{missing[0]}: required")
-    return declared.args(**checked)
+    return declared(**checked)
 
 
 @functools.cache
-def argument_fields(verb: str) -> dict[str, msgspec.structs.FieldInfo]:
-    """The verb's arguments by name (a declared verb's)."""
-    return {f.name: f for f in msgspec.structs.fields(VERBS[verb].args)}
+def argument_fields(verb: str | type[Args]) -> dict[str, msgspec.structs.FieldInfo]:
+    """The verb's (its class, or a declared verb's name) arguments by name."""
+    return {f.name: f for f in msgspec.structs.fields(verb_class(verb))}
 
 
 def _convert(name: str, value: Any, field_type: Any, lax: bool) -> Any:

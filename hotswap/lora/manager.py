@@ -10,6 +10,7 @@ a refused adapter leaves the registry as it was.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,13 @@ import torch
 
 from hotswap.config import LoRAConfig
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.handlers import Outputs, handles
+from hotswap.engine.verbs import (
+    CommitLoraAdapter,
+    ListLoraAdapters,
+    LoadLoraAdapter,
+    UnloadLoraAdapter,
+)
 from hotswap.errors import InvalidArgument
 from hotswap.lora.adapter import (
     CONFIG_FILE,
@@ -39,8 +47,10 @@ class LoRAManager:
         model: Any,
         dtype: torch.dtype,
         allowed_dirs: tuple[Path, ...] | None,
+        in_use: Callable[[], set[int]] = set,
     ) -> None:
         self.config = config
+        self.in_use = in_use  # the adapter versions unfinished requests hold (their uids)
         self.model = model
         self.dtype = dtype
         self.allowed_dirs = allowed_dirs
@@ -92,6 +102,17 @@ class LoRAManager:
             self.pending[name] = adapter
             return describe(adapter, self._next_version(name))
         return describe(self._install(adapter, in_use))
+
+    @handles(LoadLoraAdapter)
+    def on_load_lora_adapter(self, args: LoadLoraAdapter, out: Outputs) -> dict[str, Any]:
+        return self.load(args.lora_name, args.lora_path, args.load_inplace, self.in_use(),
+                         args.prepare)  # fmt: skip
+
+    @handles(CommitLoraAdapter)
+    def on_commit_lora_adapter(
+        self, args: CommitLoraAdapter, out: Outputs
+    ) -> dict[str, Any] | None:
+        return self.commit_pending(args.lora_name, args.abort, self.in_use())
 
     def commit_pending(self, name: str, abort: bool, in_use: set[int]) -> dict[str, Any] | None:
         """Phase two: serve the adapter `load(prepare=True)` held aside (or drop it)."""
@@ -174,13 +195,16 @@ class LoRAManager:
                                 self.dtype)  # fmt: skip
         return self._install(adapter, in_use)
 
-    def unload(self, name: str) -> None:
+    @handles(UnloadLoraAdapter)
+    def on_unload_lora_adapter(self, args: UnloadLoraAdapter, out: Outputs) -> None:
         self._require()
+        name = args.lora_name
         evicted = self.evicted.pop(name, None)
         if self.adapters.pop(name, None) is None and evicted is None:
             raise InvalidArgument("lora_name", f"The lora adapter '{name}' cannot be found.")
 
-    def list(self) -> list[dict[str, Any]]:
+    @handles(ListLoraAdapters)
+    def on_list_lora_adapters(self, args: ListLoraAdapters, out: Outputs) -> list[dict[str, Any]]:
         return [describe(adapter) for adapter in self.adapters.values()]
 
     def _victim(self, limit: int, in_use: set[int], strict: bool = True) -> str | None:

@@ -8,8 +8,9 @@ so the `ray` weight backend's chunks reach it through memory (`transfer.deliver`
 Generation: `generate` answers the final output, `generate_stream` is a streaming
 generator (`for ref in actor.generate_stream.remote(...)`); cancelling it
 (`ray.cancel(generator)`) aborts the request and frees its KV cache. Control: every verb
-of `hotswap.engine.verbs` through `call(verb, **arguments)`, and the weight-transfer phases
-by their names, so an `EngineGroup` of `RayEngineClient`s drives them like any engine."""
+of `hotswap.engine.verbs` through `call(verb, **arguments)`, and a method per verb, as on
+`AsyncLLM` (so an `EngineGroup` of `RayEngineClient`s drives the weight-transfer phases
+like any engine's)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import ray
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import Prompt
-from hotswap.engine.verb_methods import async_verb_method
+from hotswap.engine.verb_methods import with_verb_methods
+from hotswap.engine.verbs import Args
 from hotswap.errors import InvalidArgument
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
@@ -34,6 +36,7 @@ from hotswap.sampling_params import SamplingParams
 DEFAULT_WEIGHT_TRANSFER = {"backend": RayObjectEngine.backend}
 
 
+@with_verb_methods(coroutine=True)
 class EngineActor:
     def __init__(self, model: str | None = None, engine_args: dict[str, Any] | None = None):
         args = dict(engine_args or {})
@@ -110,14 +113,10 @@ class EngineActor:
         return await self.llm.abort(request_ids)
 
     # -- control --------------------------------------------------------------------------
-    async def call(self, verb: str, **arguments: Any) -> Any:
-        """Any control verb by name (pause, resume, sleep, get_weight_info, ...)."""
+    async def call(self, verb: str | type[Args], **arguments: Any) -> Any:
+        """Any control verb, by its class or its name (pause, resume, sleep, ...); the
+        verbs' methods (made by with_verb_methods) are this with their arguments."""
         return await self.llm.call(verb, **arguments)
-
-    # The weight-transfer phases by name (an EngineGroup of RayEngineClients calls them);
-    # their parameters are the verbs' (verb_methods.py).
-    init_weight_transfer_engine = async_verb_method("init_weight_transfer_engine")
-    start_weight_update = async_verb_method("start_weight_update")
 
     async def update_weights(self, update_info: dict[str, Any]) -> int:
         """One chunk. With the ray backend `update_info["object"]` is the chunk's
@@ -133,19 +132,11 @@ class EngineActor:
         with deliver(update_info, arrays) as info:
             return await self.llm.update_weights(info)
 
-    prepare_weight_update = async_verb_method("prepare_weight_update")
-    finish_weight_update = async_verb_method("finish_weight_update")
-    get_world_size = async_verb_method("get_world_size")
-    get_weight_info = async_verb_method("get_weight_info")
-
     # LoRA adapters (a group loads on every actor in two phases: RayEngineGroup)
     async def load_lora_adapter(
         self, lora_name: str, lora_path: str, load_inplace: bool = False
     ) -> dict[str, Any]:
         return await self.llm.load_lora_adapter(lora_name, lora_path, load_inplace)
-
-    unload_lora_adapter = async_verb_method("unload_lora_adapter")
-    list_lora_adapters = async_verb_method("list_lora_adapters")
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -18,12 +18,13 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from hotswap.engine.verb_methods import verb_method
+from hotswap.engine.verb_methods import with_verb_methods
+from hotswap.engine.verbs import Args, LoadLoraAdapter
 from hotswap.lora.request import LoRARequest
 from hotswap.outputs import RequestOutput
 from hotswap.rl.engine_group import EngineGroup
 from hotswap.sampling_params import SamplingParams
-from hotswap.weight_transfer.clients import WeightSyncError, committed
+from hotswap.weight_transfer.clients import VerbClient, WeightSyncError
 
 
 class EngineActorDiedError(WeightSyncError):
@@ -34,8 +35,9 @@ class EngineActorDiedError(WeightSyncError):
         self.name = name
 
 
-class RayEngineClient:
-    """One engine actor as a weight-sync client (blocking calls, for trainer code)."""
+class RayEngineClient(VerbClient):
+    """One engine actor as a weight-sync client (blocking calls, for trainer code): the
+    protocol's methods (VerbClient's) call the actor's method of each verb's name."""
 
     accepts_object_refs = True  # the ray backend may pass ObjectRefs in update infos
 
@@ -61,36 +63,22 @@ class RayEngineClient:
                 raise cause from None
             raise
 
-    def call(self, verb: str, **arguments: Any) -> Any:
+    def call(self, verb: str | type[Args], **arguments: Any) -> Any:
         return self.get(self.actor.call.remote(verb, **arguments))
 
-    def _remote(self, verb: str, **arguments: Any) -> Any:
-        """The actor's method of the verb's name (EngineActor's take its arguments)."""
+    def _verb(self, verb: str, **arguments: Any) -> Any:
+        """The actor's method of the verb's name (EngineActor's take its arguments; with
+        the ray backend an update's info holds an ObjectRef)."""
         return self.get(getattr(self.actor, verb).remote(**arguments))
 
-    # -- the weight-sync client protocol: the verbs' parameters (verb_methods.py) ----------
-    init_weight_transfer_engine = verb_method("init_weight_transfer_engine", via="_remote")
-    start_weight_update = verb_method("start_weight_update", via="_remote")
-    update_weights = verb_method(
-        "update_weights",
-        via="_remote",
-        doc="One chunk; with the ray backend it holds an ObjectRef.",
-    )
-    prepare_weight_update = verb_method("prepare_weight_update", via="_remote")
-    finish_weight_update = verb_method(
-        "finish_weight_update",
-        via="_remote",
-        answer=committed,
-        doc="Commit the round (returns what was committed) or abort it (returns None).",
-    )
-    get_world_size = verb_method("get_world_size", via="_remote", answer=lambda n, _: int(n))
-    weight_info = verb_method("get_weight_info", name="weight_info", via="_remote")
 
-
+@with_verb_methods(coroutine=False)
 class RayEngineGroup(EngineGroup):
     """`EngineGroup` over engine actors: give it to
     `WeightTransferTrainerFactory.trainer_init(..., client=group)` and one `send_weights()`
-    updates every actor with a two-phase commit. Also fans generation and control out."""
+    updates every actor with a two-phase commit. Also fans generation and control out: a
+    method per verb besides the weight-sync protocol's (made by with_verb_methods through
+    `call`) answers every engine's answer, in engine order."""
 
     accepts_object_refs = True
 
@@ -113,9 +101,10 @@ class RayEngineGroup(EngineGroup):
     def actors(self) -> list[ActorHandle]:
         return [c.actor for c in self.clients]
 
-    def call(self, verb: str, **arguments: Any) -> list[Any]:
-        """A control verb on every engine at once (e.g. "pause" with mode="keep"); the
-        answers in engine order. The first failure is raised once all have answered."""
+    def call(self, verb: str | type[Args], **arguments: Any) -> list[Any]:
+        """A control verb (its class, or its name) on every engine at once (e.g. Pause
+        with mode="keep"); the answers in engine order. The first failure is raised once
+        all have answered."""
         refs = [c.actor.call.remote(verb, **arguments) for c in self.clients]
         futures = [self._calls.submit(c.get, ref) for c, ref in zip(self.clients, refs)]
         return [f.result() for f in futures]
@@ -127,16 +116,13 @@ class RayEngineGroup(EngineGroup):
         all serve it; if any refuses, the load is dropped everywhere (each engine keeps
         what it had) and the refusal raised. The engines' answers, in order."""
         try:
-            self.call("load_lora_adapter", lora_name=lora_name, lora_path=lora_path,
+            self.call(LoadLoraAdapter, lora_name=lora_name, lora_path=lora_path,
                       load_inplace=load_inplace, prepare=True)  # fmt: skip
         except BaseException:
             with contextlib.suppress(Exception):
-                self.call("commit_lora_adapter", lora_name=lora_name, abort=True)
+                self.commit_lora_adapter(lora_name, abort=True)
             raise
-        return self.call("commit_lora_adapter", lora_name=lora_name)
-
-    def unload_lora_adapter(self, lora_name: str) -> list[Any]:
-        return self.call("unload_lora_adapter", lora_name=lora_name)
+        return self.commit_lora_adapter(lora_name)
 
     def generate(
         self,

@@ -19,6 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from hotswap.engine.verb_methods import takes_verb_arguments
+from hotswap.engine.verbs import (
+    Args,
+    FinishWeightUpdate,
+    InitWeightTransfer,
+    PrepareWeightUpdate,
+    StartWeightUpdate,
+    UpdateWeights,
+    verb_name,
+)
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.clients import (
     CommittedWeights,
@@ -32,11 +41,14 @@ from hotswap.weight_transfer.engine import shift_rank_offset
 
 
 class EngineGroupError(WeightSyncError):
-    """A phase failed on some engines; `failed` maps engine index -> its error."""
+    """A phase (a verb) failed on some engines; `failed` maps engine index -> its error;
+    `note` says what that left behind."""
 
-    def __init__(self, phase: str, failed: dict[int, BaseException], names: list[str]) -> None:
+    def __init__(self, phase: type[Args], failed: dict[int, BaseException], names: list[str],
+                 note: str | None = None) -> None:  # fmt: skip
         details = "; ".join(f"engine {i} ({names[i]}): {e}" for i, e in failed.items())
-        super().__init__(f"{phase} failed on {len(failed)} of {len(names)} engines: {details}")
+        what = verb_name(phase) + (f" ({note})" if note else "")
+        super().__init__(f"{what} failed on {len(failed)} of {len(names)} engines: {details}")
         self.failed = failed
 
 
@@ -66,8 +78,9 @@ class EngineGroup:
         """Receiving workers in all engines: a broadcast group is this + 1 (the trainer)."""
         return sum(self.world_sizes)
 
-    # -- the weight-sync client protocol ----------------------------------------------------
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+    # -- the weight-sync client protocol: the verbs' arguments (verb_methods.py) ------------
+    @takes_verb_arguments(InitWeightTransfer)
+    def init_weight_transfer_engine(self, *, init_info: dict[str, Any]) -> None:
         expected = 1 + self.num_workers
         if "world_size" in init_info and init_info["world_size"] != expected:
             raise ValueError(
@@ -76,33 +89,27 @@ class EngineGroup:
                 f"{expected}"
             )
         infos = self._with_rank_offsets(init_info)
-        failed = self._on_all(
-            "init_weight_transfer_engine", lambda c, i: c.init_weight_transfer_engine(infos[i])
-        )
+        failed = self._on_all(lambda c, i: c.init_weight_transfer_engine(infos[i]))
         if failed:
-            raise EngineGroupError("init_weight_transfer_engine", failed, self.names)
+            raise EngineGroupError(InitWeightTransfer, failed, self.names)
 
+    @takes_verb_arguments(StartWeightUpdate)
     def start_weight_update(
-        self,
-        is_checkpoint_format: bool = True,
-        lora_name: str | None = None,
-        lora_config: dict[str, Any] | None = None,
+        self, *, is_checkpoint_format: bool, lora_name: str | None, lora_config: dict | None
     ) -> None:
         adapter = adapter_round(lora_name, lora_config)
-        failed = self._on_all(
-            "start_weight_update",
-            lambda c, i: c.start_weight_update(is_checkpoint_format, **adapter),
-        )
+        failed = self._on_all(lambda c, i: c.start_weight_update(is_checkpoint_format, **adapter))
         if failed:  # abort everywhere: a lost reply may hide a round that did open
             self._abort(range(len(self.clients)))
-            raise EngineGroupError("start_weight_update", failed, self.names)
+            raise EngineGroupError(StartWeightUpdate, failed, self.names)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        failed = self._on_all("update_weights", lambda c, i: c.update_weights(update_info))
+    @takes_verb_arguments(UpdateWeights)
+    def update_weights(self, *, update_info: dict[str, Any]) -> None:
+        failed = self._on_all(lambda c, i: c.update_weights(update_info))
         if failed:
-            raise EngineGroupError("update_weights", failed, self.names)
+            raise EngineGroupError(UpdateWeights, failed, self.names)
 
-    @takes_verb_arguments("finish_weight_update")
+    @takes_verb_arguments(FinishWeightUpdate)
     def finish_weight_update(
         self, *, weight_version: str | None, abort: bool, **options: Any
     ) -> GroupCommittedWeights | None:
@@ -123,11 +130,11 @@ class EngineGroup:
             self._abort(everyone)
             raise InvalidArgument("kv_policy", f"kv_policy: must be one of "
                                   f"{', '.join(KV_POLICIES)}, got {kv_policy!r}")  # fmt: skip
-        failed = self._on_all("prepare_weight_update", lambda c, i: c.prepare_weight_update())
+        failed = self._on_all(lambda c, i: c.prepare_weight_update())
         if failed:
             self._abort(everyone)
-            raise EngineGroupError("prepare_weight_update (nothing was committed)", failed,
-                                   self.names)  # fmt: skip
+            raise EngineGroupError(PrepareWeightUpdate, failed, self.names,
+                                   "nothing was committed")  # fmt: skip
         answers: dict[int, Any] = {}
         # Only the options asked for: a plain client takes none of them.
         options = {k: v for k, v in options.items() if v is not None and v is not False}
@@ -135,12 +142,12 @@ class EngineGroup:
         def commit(client: PreparingWeightSyncClient, i: int) -> None:
             answers[i] = client.finish_weight_update(weight_version, **options)  # type: ignore[call-arg]
 
-        failed = self._on_all("finish_weight_update", commit)
+        failed = self._on_all(commit)
         if failed:  # not expected after prepare; say exactly where the commit landed
             self._abort(failed)
             committed = [self.names[i] for i in everyone if i not in failed]
-            raise EngineGroupError(f"finish_weight_update (committed on {committed or 'none'})",
-                                   failed, self.names)  # fmt: skip
+            raise EngineGroupError(FinishWeightUpdate, failed, self.names,
+                                   f"committed on {committed or 'none'}")  # fmt: skip
         engines = tuple(_committed(answers[i]) for i in everyone)
         labels = {e.label for e in engines if e is not None}
         return GroupCommittedWeights(labels.pop() if len(labels) == 1 else weight_version, engines)
@@ -166,7 +173,6 @@ class EngineGroup:
     # -- fan-out ----------------------------------------------------------------------------
     def _on_all(
         self,
-        phase: str,
         call: Callable[[PreparingWeightSyncClient, int], object],
         among: Iterable[int] | None = None,
     ) -> dict[int, BaseException]:
@@ -177,7 +183,7 @@ class EngineGroup:
 
     def _abort(self, indices: Iterable[int]) -> None:
         """Best effort: an engine that cannot abort (e.g. has no open round) is skipped."""
-        self._on_all("abort", lambda c, i: c.finish_weight_update(abort=True), among=indices)
+        self._on_all(lambda c, i: c.finish_weight_update(abort=True), among=indices)
 
     def _with_rank_offsets(self, init_info: dict[str, Any]) -> list[dict[str, Any]]:
         """Each engine's workers follow those of the engines before it."""

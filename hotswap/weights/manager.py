@@ -1,6 +1,7 @@
 """The engine core's weights (docs/design.md §4): every path that writes them (a disk reload,
 tensors sent inline, a trainer's round), the version each write commits, and what callers
-read about the loaded weights (version, label, digest, checksums)."""
+read about the loaded weights (version, label, digest, checksums); the handlers of the verbs
+that do these (verbs.py's weights section)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,38 @@ from typing import Any
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion
 from hotswap.engine.errors import EngineStateError
+from hotswap.engine.handlers import Outputs, handles
 from hotswap.engine.messages import EngineCoreOutput
 from hotswap.engine.request_manager import RequestManager
 from hotswap.engine.scheduler import Scheduler
 from hotswap.engine.sleep import WEIGHTS, SleepState
-from hotswap.engine.verbs import InlineTensor
+from hotswap.engine.verbs import (
+    FinishWeightUpdate,
+    GetWeightChecksums,
+    GetWeightInfo,
+    GetWeightVersion,
+    GetWorldSize,
+    InitWeightTransfer,
+    InlineTensor,
+    LeaveWeightTransfer,
+    LoadWeightsFromDisk,
+    LoadWeightsInline,
+    PrepareWeightUpdate,
+    StartWeightUpdate,
+    UpdateWeightLabel,
+    UpdateWeights,
+    UpdateWeightVersion,
+    WeightUpdateActive,
+    verb_name,
+)
 from hotswap.errors import InvalidArgument
 from hotswap.execution.runner import ModelRunner
 from hotswap.lora.stage import AdapterStage
+from hotswap.weight_transfer.backends import get_backend
 from hotswap.weights.round import WeightApplyError
 from hotswap.weights.sync import WeightSync
+
+Version = dict[str, int | str]  # {version, label}
 
 
 class WeightManager:
@@ -82,42 +105,13 @@ class WeightManager:
         validated, all-or-nothing round between steps, as a disk reload, and commit a new
         version labelled `label` (default: the current label); returns requests aborted by
         `max_weight_lag`."""
-        self._refuse_while_weights_sleep("load_weights_inline")
-        self.sync.refuse_during_round("load_weights_inline")
+        self._refuse_while_weights_sleep(verb_name(LoadWeightsInline))
+        self.sync.refuse_during_round(verb_name(LoadWeightsInline))
         with self._missing_if_it_fails():
             staged = self.sync.load_inline(tensors)
         if self.sleep_state.weights_missing and self.sync.covers_model(staged, True):
             self.sleep_state.weights_missing = False
         return self.commit(label or self.versions.label)
-
-    def leave_transfer(self) -> bool:
-        """Leave the trainer's channel; True if there was one. Never mid-round."""
-        self.sync.refuse_during_round("leave_weight_transfer")
-        had = self.sync.transfer is not None
-        self.sync.drop_transfer()
-        return had
-
-    def start_update(
-        self,
-        is_checkpoint_format: bool = True,
-        lora_name: str | None = None,
-        lora_config: dict[str, Any] | None = None,
-    ) -> None:
-        """Open a round into the model's weights, or, with `lora_name`, into that LoRA
-        adapter (its PEFT tensors; `lora_config` declares a new one)."""
-        self._refuse_while_weights_sleep("start_weight_update")
-        if lora_name is None:
-            if lora_config is not None:
-                raise InvalidArgument("lora_config", "lora_config: needs lora_name")
-            self.sync.start(is_checkpoint_format)
-            return
-        if not is_checkpoint_format:
-            raise InvalidArgument("is_checkpoint_format", "is_checkpoint_format: an adapter's "
-                                  "round sends its PEFT tensors (checkpoint format)")  # fmt: skip
-        self.sync.refuse_during_round("start_weight_update")
-        loras = self.requests.loras
-        stage = loras.open_stage(lora_name, lora_config, self.requests.adapters_in_use())
-        self.sync.start(True, stage)
 
     def finish_update(
         self, label: str | None = None, abort: bool = False, kv_policy: str | None = None
@@ -208,13 +202,8 @@ class WeightManager:
                 )
         return self.requests.abort(lagging, reasons=lagging)
 
-    def get_version(self) -> dict[str, int | str]:
+    def get_version(self) -> Version:
         return {"version": self.versions.version, "label": self.versions.label}
-
-    def set_label(self, label: str) -> dict[str, int | str]:
-        """Rename the current weights; the version (and so provenance order) is unchanged."""
-        self.versions.label = label
-        return self.get_version()
 
     # -- reads ----------------------------------------------------------------------------
     def digest(self) -> str | None:
@@ -239,12 +228,105 @@ class WeightManager:
             for name, sha in sums.items()
         }
 
-    def info(self) -> dict[str, object]:
-        """{version, label, digest} of the loaded weights (digest None while they sleep)."""
-        return self.committed(digest=True)
-
     def committed(self, digest: bool) -> dict[str, object]:
         """The answer to a finish: {version, label, digest}, taken in the same call as the
         commit so it names exactly that commit. The digest reads every weight (~0.3 s for
         the default model), so it is computed only when asked for; otherwise None."""
         return {**self.get_version(), "digest": self.digest() if digest else None}
+
+    # -- the verbs (handlers.py): each answers its call ---------------------------------------
+    @handles(LoadWeightsFromDisk)
+    def on_load_weights_from_disk(self, args: LoadWeightsFromDisk, out: Outputs) -> Version:
+        out.extend(self.load_from_disk(args.model_path, args.weight_version))
+        return self.get_version()
+
+    @handles(LoadWeightsInline)
+    def on_load_weights_inline(self, args: LoadWeightsInline, out: Outputs) -> Version:
+        out.extend(self.load_inline(args.tensors, args.weight_version))
+        return self.get_version()
+
+    @handles(InitWeightTransfer)
+    def on_init_weight_transfer_engine(self, args: InitWeightTransfer, out: Outputs) -> None:
+        self.sync.init(args.init_info)
+
+    @handles(LeaveWeightTransfer)
+    def on_leave_weight_transfer(self, args: LeaveWeightTransfer, out: Outputs) -> bool:
+        """Leave the trainer's channel; True if there was one. Never mid-round."""
+        self.sync.refuse_during_round(verb_name(LeaveWeightTransfer))
+        had = self.sync.transfer is not None
+        self.sync.drop_transfer()
+        return had
+
+    @handles(StartWeightUpdate)
+    def on_start_weight_update(self, args: StartWeightUpdate, out: Outputs) -> None:
+        """Open a round into the model's weights, or, with `lora_name`, into that LoRA
+        adapter (its PEFT tensors; `lora_config` declares a new one)."""
+        self._refuse_while_weights_sleep(verb_name(StartWeightUpdate))
+        if args.lora_name is None:
+            if args.lora_config is not None:
+                raise InvalidArgument("lora_config", "lora_config: needs lora_name")
+            self.sync.start(args.is_checkpoint_format)
+            return
+        if not args.is_checkpoint_format:
+            raise InvalidArgument("is_checkpoint_format", "is_checkpoint_format: an adapter's "
+                                  "round sends its PEFT tensors (checkpoint format)")  # fmt: skip
+        self.sync.refuse_during_round(verb_name(StartWeightUpdate))
+        loras, in_use = self.requests.loras, self.requests.adapters_in_use()
+        self.sync.start(True, loras.open_stage(args.lora_name, args.lora_config, in_use))
+
+    @handles(UpdateWeights)
+    def on_update_weights(self, args: UpdateWeights, out: Outputs) -> int:
+        return self.sync.update(args.update_info)
+
+    @handles(PrepareWeightUpdate)
+    def on_prepare_weight_update(self, args: PrepareWeightUpdate, out: Outputs) -> int:
+        return self.sync.prepare()
+
+    @handles(FinishWeightUpdate)
+    def on_finish_weight_update(self, args: FinishWeightUpdate, out: Outputs) -> dict[str, Any]:
+        adapter = self.round_adapter()
+        out.extend(self.finish_update(args.weight_version, args.abort, args.kv_policy))
+        answer = self.committed(args.digest and not args.abort)
+        if adapter is not None and not args.abort:  # the adapter's version, not the weights'
+            version = self.requests.loras.adapters[adapter].version
+            answer.update(lora_name=adapter, lora_version=version)
+        if args.checksum and not args.abort:
+            answer["checksums"] = self.checksums()
+        return answer
+
+    @handles(GetWorldSize)
+    def on_get_world_size(self, args: GetWorldSize, out: Outputs) -> int:
+        transfer, config = self.sync.transfer, self.config.weight_transfer
+        if transfer is not None:
+            return transfer.world_size()
+        if config is None:
+            return 1
+        return get_backend(config.backend).receivers(self.config.tensor_parallel_size)
+
+    @handles(GetWeightInfo)
+    def on_get_weight_info(self, args: GetWeightInfo, out: Outputs) -> dict[str, object]:
+        """{version, label, digest} of the loaded weights (digest None while they sleep)."""
+        return self.committed(digest=True)
+
+    @handles(UpdateWeightVersion)
+    def on_update_weight_version(self, args: UpdateWeightVersion, out: Outputs) -> Version:
+        out.extend(self.commit(args.label))
+        return self.get_version()
+
+    @handles(GetWeightVersion)
+    def on_get_weight_version(self, args: GetWeightVersion, out: Outputs) -> Version:
+        return self.get_version()
+
+    @handles(UpdateWeightLabel)
+    def on_update_weight_label(self, args: UpdateWeightLabel, out: Outputs) -> Version:
+        """Rename the current weights; the version (and so provenance order) is unchanged."""
+        self.versions.label = args.label
+        return self.get_version()
+
+    @handles(WeightUpdateActive)
+    def on_weight_update_active(self, args: WeightUpdateActive, out: Outputs) -> bool:
+        return self.sync.round_open
+
+    @handles(GetWeightChecksums)
+    def on_get_weight_checksums(self, args: GetWeightChecksums, out: Outputs) -> dict[str, str]:
+        return self.checksums() or {}

@@ -23,7 +23,14 @@ from hotswap.engine.verb_methods import (
     takes_verb_arguments,
     verb_method,
 )
-from hotswap.engine.verbs import VERBS, argument_fields
+from hotswap.engine.verbs import (
+    VERBS,
+    FinishWeightUpdate,
+    LoadWeightsFromDisk,
+    Pause,
+    Sleep,
+    argument_fields,
+)
 from hotswap.rl.engine_group import EngineGroup
 from hotswap.weight_transfer.clients import (
     CommittedWeights,
@@ -126,10 +133,10 @@ class Recorder:
         self.calls.append((verb, arguments))
         return {"version": 2, "label": "v2", "checksums": {"0.w": "ab"}}
 
-    finish = verb_method("finish_weight_update", name="finish", answer=committed)
-    load = verb_method("load_weights_from_disk")
+    finish = verb_method(FinishWeightUpdate, name="finish", answer=committed)
+    load = verb_method(LoadWeightsFromDisk)
 
-    @takes_verb_arguments("pause")
+    @takes_verb_arguments(Pause)
     def pause(self, *, mode: str, clear_cache: bool) -> tuple[str, bool]:
         return mode, clear_cache
 
@@ -152,7 +159,7 @@ def test_async_method_awaits_its_transport() -> None:
         async def call(self, verb: str, **arguments: Any) -> Any:
             return verb, arguments
 
-        sleep = async_verb_method("sleep")
+        sleep = async_verb_method(Sleep)
 
     assert asyncio.run(Async().sleep(2)) == ("sleep", {"level": 2, "mode": "abort"})
 

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from hotswap.engine import verbs
+from hotswap.engine.core import HANDLERS
 from hotswap.engine.core_loop import InputKind
 from hotswap.engine.dp_client import _merge
-from hotswap.engine.handlers import HANDLERS
 from hotswap.engine.messages import CallError, UtilityCall, UtilityResult
 from hotswap.engine.wire import decode_input, encode_input
 from hotswap.errors import InvalidArgument
@@ -116,29 +116,29 @@ def _results(values: list) -> list[UtilityResult]:
 
 
 def test_data_parallel_answers_merge_as_each_verb_declares() -> None:
-    assert _merge("get_world_size", _results([1, 1, 1])).result == 3
-    assert _merge("reset_prefix_cache", _results([4, 0])).result == 4
-    assert _merge("is_paused", _results([False, True])).result is True
-    assert _merge("weight_update_active", _results([False, False])).result is False
-    assert _merge("collective_rpc", _results([["a"], ["b"]])).result == ["a", "b"]
+    assert _merge(verbs.GetWorldSize, _results([1, 1, 1])).result == 3
+    assert _merge(verbs.ResetPrefixCache, _results([4, 0])).result == 4
+    assert _merge(verbs.IsPaused, _results([False, True])).result is True
+    assert _merge(verbs.WeightUpdateActive, _results([False, False])).result is False
+    assert _merge(verbs.CollectiveRpc, _results([["a"], ["b"]])).result == ["a", "b"]
     same = {"version": 2, "label": "s", "digest": "d"}
-    assert _merge("get_weight_info", _results([same, same])).result == same
-    split = _merge("finish_weight_update", _results([same, {**same, "digest": "e"}])).result
+    assert _merge(verbs.GetWeightInfo, _results([same, same])).result == same
+    split = _merge(verbs.FinishWeightUpdate, _results([same, {**same, "digest": "e"}])).result
     assert split["digest"] is None and split["rank_digests"] == ["d", "e"]
     sums = [{**same, "checksums": {"dp0:w": "1"}}, {**same, "checksums": {"dp1:w": "1"}}]
-    assert _merge("finish_weight_update", _results(sums)).result["checksums"] == {
+    assert _merge(verbs.FinishWeightUpdate, _results(sums)).result["checksums"] == {
         "dp0:w": "1", "dp1:w": "1"}  # fmt: skip
     stats = _merge(
-        "get_stats",
+        verbs.GetStats,
         _results(
             [{"num_running": 2, "weight_version": 1}, {"num_running": 3, "weight_version": 2}]
         ),
     ).result
     assert stats["num_running"] == 5 and stats["weight_version"] == 2
-    assert _merge("pause", _results([None, None])).result is None
+    assert _merge(verbs.Pause, _results([None, None])).result is None
 
 
 def test_a_rank_refusal_keeps_its_kind_and_field() -> None:
     refused = UtilityResult(1, error=CallError("invalid", "mode: bad", "mode"))
-    merged = _merge("pause", [UtilityResult(1, result=None), refused])
+    merged = _merge(verbs.Pause, [UtilityResult(1, result=None), refused])
     assert merged.error == CallError("invalid", "rank 1: mode: bad", "mode")

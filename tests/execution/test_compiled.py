@@ -32,7 +32,7 @@ def compiling():  # noqa: ANN201
 
 
 def compiled_counts(llm: LLM) -> tuple[int, int]:
-    stats = llm.engine.get_stats()
+    stats = llm.engine.stats.get_stats()
     assert stats["compiled_decode"]
     return stats["compiled_decode_steps"], stats["eager_decode_steps"]
 
@@ -101,7 +101,7 @@ def test_falls_back_cleanly_without_compilation(tiny_model_factory, monkeypatch)
     expected = run_engine(model_dir, PROMPTS, 12, enforce_eager=True)[1]
     disabled = LLM(str(model_dir), **args)  # TORCH_COMPILE_DISABLE from conftest
     assert disabled.engine.runner.compiled is None
-    assert not disabled.engine.get_stats()["compiled_decode"]
+    assert not disabled.engine.stats.get_stats()["compiled_decode"]
     monkeypatch.setattr("hotswap.execution.compiled.CompiledDecode._logits",
                         lambda *a: (_ for _ in ()).throw(RuntimeError("no compiler")))  # fmt: skip
     with torch._dynamo.config.patch(disable=False):

@@ -160,9 +160,9 @@ def test_default_is_the_model_directorys_parent(v1_dir: Path, v2_dir: Path, tmp_
     llm = LLM(str(model), dtype="float32", progress=False)
     before = llm.get_weight_info()
     with pytest.raises(ValueError, match="outside the directories"):
-        llm.engine.load_weights_from_disk(str(elsewhere))
+        llm.engine.weight_manager.load_from_disk(str(elsewhere))
     assert llm.get_weight_info() == before
-    llm.engine.load_weights_from_disk(str(sibling))
+    llm.engine.weight_manager.load_from_disk(str(sibling))
     assert llm.get_weight_info()["digest"] != before["digest"]
 
 

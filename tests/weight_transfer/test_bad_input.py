@@ -200,8 +200,8 @@ def test_sleep_and_disk_reload_wait_for_an_open_round(v1_dir) -> None:
     )
     llm.start_weight_update()
     with pytest.raises(EngineStateError, match="round is open"):
-        llm.engine.sleep(2)
+        llm.engine.sleep_manager.sleep(2)
     with pytest.raises(EngineStateError, match="round is open"):
-        llm.engine.load_weights_from_disk(str(v1_dir))
+        llm.engine.weight_manager.load_from_disk(str(v1_dir))
     llm.finish_weight_update(abort=True)
-    assert llm.engine.sleep(2) == []  # allowed again once the round is closed
+    assert llm.engine.sleep_manager.sleep(2) == []  # allowed again once the round is closed

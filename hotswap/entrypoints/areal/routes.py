@@ -40,6 +40,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from hotswap.engine import verbs
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.group_join import GroupJoin
 from hotswap.entrypoints.server.sessions import dialect_sessions
@@ -55,8 +56,8 @@ from hotswap.entrypoints.server.verb_routes import (
 )
 from hotswap.weight_transfer.infos import TensorsInfo
 
-PAUSE = VerbRoute("/areal_pause_generation", "pause")
-RESUME = VerbRoute("/areal_continue_generation", "resume")
+PAUSE = VerbRoute("/areal_pause_generation", verbs.Pause)
+RESUME = VerbRoute("/areal_continue_generation", verbs.Resume)
 INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "backend",
                "group_name")  # fmt: skip
 
@@ -65,7 +66,7 @@ INIT_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "ba
 # body.master_port); `backend`, its group's, is checked against the engine's.
 INIT = VerbRoute(
     "/areal_init_weights_update_group",
-    "init_weight_transfer_engine",
+    verbs.InitWeightTransfer,
     names={name: f"init_info.{name}" for name in INIT_FIELDS if name != "backend"},
     consumes=frozenset({"backend"}),
 )
@@ -74,7 +75,7 @@ JOIN = GroupJoin("AReaL", INIT, "areal", backend_field="backend")
 # as a whole) are refused as `names`'.
 META = VerbRoute(
     "/areal_set_update_weight_meta",
-    "update_weights",
+    verbs.UpdateWeights,
     names={"names": "update_info.names", "dtypes": "update_info.dtype_names",
            "shapes": "update_info.shapes"},
     consumes=frozenset({"group_name"}),
@@ -85,13 +86,13 @@ META = VerbRoute(
 # refused as that meta's.
 XCCL = VerbRoute(
     "/areal_update_weights_xccl",
-    "update_weights",
+    verbs.UpdateWeights,
     names={"meta": "update_info"},
     sources={f"update_info.{key}": "meta" for key in TensorsInfo.LISTS},
 )
 DISK = VerbRoute(
     "/areal_update_weights",
-    "load_weights_from_disk",
+    verbs.LoadWeightsFromDisk,
     ignored=frozenset({"abort_all_requests"}),  # AReaL's route aborts them either way
     names={"load_format": "load_format"},
 )
@@ -102,14 +103,14 @@ areal_router = APIRouter()
 @areal_router.post("/areal_pause_generation")
 async def areal_pause_generation(request: Request) -> dict[str, Any]:
     await read_values(request, PAUSE)
-    await call_verb(request, PAUSE, "pause", mode="abort", clear_cache=True)
+    await call_verb(request, PAUSE, verbs.Pause, mode="abort", clear_cache=True)
     return {"success": True, "message": "Generation paused and all requests aborted"}
 
 
 @areal_router.post("/areal_continue_generation")
 async def areal_continue_generation(request: Request) -> dict[str, Any]:
     await read_values(request, RESUME)
-    await call_verb(request, RESUME, "resume")
+    await call_verb(request, RESUME, verbs.Resume)
     return {"success": True, "message": "Generation continued"}
 
 
@@ -158,18 +159,18 @@ async def areal_set_update_weight_meta(request: Request) -> dict[str, Any]:
 async def _paused_for(request: Request, route: VerbRoute, update: Callable[[], Awaitable]) -> None:
     """Run `update` with generation paused (abort, cache cleared), as AReaL's routes do;
     resume only if this call paused (a paused engine is AReaL's closed gate)."""
-    running = not (await call_verb(request, route, "is_paused")).result
+    running = not (await call_verb(request, route, verbs.IsPaused)).result
     if running:
-        await call_verb(request, route, "pause", mode="abort", clear_cache=True)
+        await call_verb(request, route, verbs.Pause, mode="abort", clear_cache=True)
     try:
         await update()
     except BaseException:
         if running:
             with contextlib.suppress(Exception):  # the update's own error is the answer
-                await call_verb(request, route, "resume")
+                await call_verb(request, route, verbs.Resume)
         raise
     if running:
-        await call_verb(request, route, "resume")
+        await call_verb(request, route, verbs.Resume)
 
 
 @areal_router.post("/areal_update_weights_xccl")

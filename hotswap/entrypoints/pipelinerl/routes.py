@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 import msgspec
 from fastapi import APIRouter, Request
 
+from hotswap.engine import verbs
 from hotswap.engine.errors import InvalidArgument
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.group_join import GroupJoin
@@ -65,7 +66,7 @@ DEFAULT_GROUP = "actor"  # the name PipelineRL's init_extra_process_group calls 
 
 RECEIVE = VerbRoute(
     "/receive_weight_update",
-    "update_weights",
+    verbs.UpdateWeights,
     names={"parameters_info": "update_info", "version": "weight_version"},
     # update_info's lists are built from PipelineRL's one list of parameters.
     sources={f"update_info.{key}": "parameters_info" for key in TensorsInfo.LISTS},
@@ -73,7 +74,7 @@ RECEIVE = VerbRoute(
 )
 INIT = VerbRoute(
     "/init_actor_update_group",
-    "init_weight_transfer_engine",
+    verbs.InitWeightTransfer,
     # PipelineRL's start-up flags, read as sent and checked here: the verb gets one init_info
     names={name: name for name in ("actor_idx", "actor_ngpus",
            "weight_update_group_init_method", "weight_update_group_world_size",
@@ -151,15 +152,15 @@ async def receive_weight_update(request: Request) -> dict[str, str]:
     # One update at a time (as PipelineRL's own server): a second must not resume
     # generation in the middle of the first.
     async with dialect_sessions(request).pipelinerl.lock:
-        await call_verb(request, RECEIVE, "pause", mode="keep", clear_cache=False)
+        await call_verb(request, RECEIVE, verbs.Pause, mode="keep", clear_cache=False)
         try:
             await weight_round(request, RECEIVE, [update.update_info()],
                                weight_version=str(update.version))  # fmt: skip
         except BaseException:
             with contextlib.suppress(Exception):  # the round's own error is the answer
-                await call_verb(request, RECEIVE, "resume")
+                await call_verb(request, RECEIVE, verbs.Resume)
             raise
-        await call_verb(request, RECEIVE, "resume")
+        await call_verb(request, RECEIVE, verbs.Resume)
     return {"status": "ok"}
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from hotswap.engine import verbs
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.state import get_engine
 from hotswap.entrypoints.server.verb_routes import (
@@ -38,7 +39,7 @@ LIVENESS_TIMEOUT_S = 10.0
 
 # `weight_dir` is the checkpoint directory; the committed version's label is that path.
 UPDATE_FROM_DIR = VerbRoute(
-    "/update_weights", "load_weights_from_disk", names={"weight_dir": "model_path"}
+    "/update_weights", verbs.LoadWeightsFromDisk, names={"weight_dir": "model_path"}
 )
 
 
@@ -63,7 +64,7 @@ prime_rl_router = APIRouter()
 async def liveness(request: Request) -> Any:
     """Whether the engine core answers a no-op call within LIVENESS_TIMEOUT_S."""
     try:
-        await asyncio.wait_for(get_engine(request).call("is_paused"), LIVENESS_TIMEOUT_S)
+        await asyncio.wait_for(get_engine(request).is_paused(), LIVENESS_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - a dead engine is as unresponsive as a stuck one
         return JSONResponse({"status": "engine_unresponsive"}, status_code=503)
     return {"status": "ok"}

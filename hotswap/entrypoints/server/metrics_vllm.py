@@ -17,12 +17,12 @@ from hotswap.engine import verbs
 ENGINE = "0"
 DURATION_BUCKETS = (0.01, 0.1, 1, 10, 30, 60, 120, 300, 600)
 # verb -> vLLM's operation name
-OPERATIONS = {
-    "init_weight_transfer_engine": "init",
-    "start_weight_update": "start",
-    "update_weights": "update",
-    "finish_weight_update": "finish",
-    "update_weight_version": "set_version",
+OPERATIONS: dict[type[verbs.Args], str] = {
+    verbs.InitWeightTransfer: "init",
+    verbs.StartWeightUpdate: "start",
+    verbs.UpdateWeights: "update",
+    verbs.FinishWeightUpdate: "finish",
+    verbs.UpdateWeightVersion: "set_version",
 }
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # level 0 / 1 / 2
 
@@ -95,7 +95,7 @@ class WeightOperationMetrics:
         self._started: float | None = None
 
     def observe(self, args: verbs.Args, ok: bool) -> None:
-        operation = OPERATIONS.get(verbs.verb_name(args))
+        operation = OPERATIONS.get(type(args))
         if operation is None:
             return
         self.operations.labels(operation, "success" if ok else "error").inc()

@@ -1,10 +1,11 @@
 """HTTP routes as declarations over the control verbs (hotswap/engine/verbs.py).
 
 A dialect (vLLM, SGLang, TRL, ...) is a list of `VerbRoute`s: the path, which verb it
-invokes, where its arguments come from (query string or JSON body), how its wire names map
-onto the verb's arguments, and how the verb's answer is shaped. One generic endpoint reads
-the input, validates it once (`verbs.make_args`), calls the engine and answers; a refusal
-names the field in the route's own spelling (`body.weight_version`, `query.mode`).
+invokes (its Args class), where its arguments come from (query string or JSON body), how
+its wire names map onto the verb's arguments, and how the verb's answer is shaped. One
+generic endpoint reads the input, validates it once (`verbs.make_args`), calls the engine
+and answers; a refusal names the field in the route's own spelling (`body.weight_version`,
+`query.mode`).
 
 Unknown fields are ignored with a logged warning, as vLLM does (RL clients send fields they
 don't need answered); `--reject-unknown-fields` makes them a 400.
@@ -55,7 +56,7 @@ def _ok(done: Done) -> dict[str, Any]:
 @dataclass(frozen=True)
 class VerbRoute:
     path: str
-    verb: str
+    verb: type[verbs.Args]
     method: str = "POST"
     source: Source = "body"  # a GET route reads its query string whatever this says
     # wire name -> the verb's argument, or a field inside one: "init_info.master_port" reads
@@ -83,9 +84,8 @@ class VerbRoute:
 
 def add_verb_routes(router: APIRouter, routes: Iterable[VerbRoute]) -> None:
     for route in routes:
-        router.add_api_route(
-            route.path, _endpoint(route), methods=[route.method], name=f"{route.verb} {route.path}"
-        )
+        name = f"{verbs.verb_name(route.verb)} {route.path}"
+        router.add_api_route(route.path, _endpoint(route), methods=[route.method], name=name)
 
 
 def _endpoint(route: VerbRoute) -> Callable[[Request], Any]:
@@ -94,7 +94,7 @@ def _endpoint(route: VerbRoute) -> Callable[[Request], Any]:
         args = route_args(route, values, info_backend(request, route.verb))
         return route.answer(await call_route(request, route, args))
 
-    endpoint.__doc__ = f"{route.method} {route.path}: the `{route.verb}` verb."
+    endpoint.__doc__ = f"{route.method} {route.path}: the `{verbs.verb_name(route.verb)}` verb."
     return endpoint
 
 
@@ -147,17 +147,17 @@ def known_fields(
     return {k: v for k, v in values.items() if k in known}
 
 
-def info_backend(request: Request, verb: str) -> str | None:
+def info_backend(request: Request, verb: type[verbs.Args]) -> str | None:
     """The backend whose structs type the verb's transfer info where its arguments are
     read (None: the engine checks it on receipt). An init's always; an update's only on a
     backend that does not stream: a stream's sender is already sending the chunk, so a
     chunk it cannot size must reach the engine, which refuses it and leaves the channel."""
-    if verb not in ("init_weight_transfer_engine", "update_weights"):
+    if verb not in (verbs.InitWeightTransfer, verbs.UpdateWeights):
         return None
     config = get_engine(request).config.weight_transfer
     if config is None:
         return None
-    if verb == "update_weights" and get_backend(config.backend).needs_init:
+    if verb is verbs.UpdateWeights and get_backend(config.backend).needs_init:
         return None
     return config.backend
 
@@ -236,7 +236,7 @@ def _query_values(request: Request, route: VerbRoute) -> dict[str, Any]:
     return values
 
 
-def _fields(verb: str) -> dict[str, Any]:
+def _fields(verb: type[verbs.Args]) -> dict[str, Any]:
     return {name: f.type for name, f in verbs.argument_fields(verb).items()}
 
 
@@ -265,7 +265,9 @@ async def json_object(request: Request, allow_list: bool = False) -> Any:
     return body
 
 
-async def call_verb(request: Request, route: VerbRoute, verb: str, **values: Any) -> Done:
+async def call_verb(
+    request: Request, route: VerbRoute, verb: type[verbs.Args], **values: Any
+) -> Done:
     """Invoke another verb from a route that composes several (a dialect whose one call
     is a whole weight round); `values` use the verb's own names."""
     try:
@@ -286,17 +288,17 @@ async def weight_round(
     Any failure after the start aborts the round (the old weights keep serving, nothing
     is half-applied) and is raised as it was."""
     await call_verb(
-        request, route, "start_weight_update", is_checkpoint_format=is_checkpoint_format
+        request, route, verbs.StartWeightUpdate, is_checkpoint_format=is_checkpoint_format
     )
     try:
         for chunk in chunks:
-            await call_verb(request, route, "update_weights", update_info=chunk)
+            await call_verb(request, route, verbs.UpdateWeights, update_info=chunk)
         return await call_verb(
-            request, route, "finish_weight_update", weight_version=weight_version
+            request, route, verbs.FinishWeightUpdate, weight_version=weight_version
         )
     except BaseException:
         with contextlib.suppress(Exception):
-            await get_engine(request).call("finish_weight_update", abort=True)
+            await get_engine(request).finish_weight_update(abort=True)
         raise
 
 

@@ -11,12 +11,13 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 import hotswap
+from hotswap.engine import verbs
 from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.state import get_engine
 from hotswap.entrypoints.server.verb_routes import VerbRoute, call_verb, read_body_fields
 from hotswap.entrypoints.sglang.weights import flag
 
-LOADS = VerbRoute("/v1/loads", "get_stats", "GET")
+LOADS = VerbRoute("/v1/loads", verbs.GetStats, "GET")
 ABORT_FIELDS = frozenset({"rid", "abort_all", "finished_reason", "abort_message"})
 LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
 
@@ -66,7 +67,7 @@ async def get_loads(
     if format not in (None, "json", "prometheus"):
         raise bad_request("format: must be json or prometheus", "query.format")
     engine = get_engine(request)
-    stats = (await call_verb(request, LOADS, "get_stats")).result
+    stats = (await call_verb(request, LOADS, verbs.GetStats)).result
     loads = [] if dp_rank not in (None, 0) else [_load(stats, engine.config)]
     if format == "prometheus":
         return _prometheus(loads)

@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from hotswap.engine import verbs
 from hotswap.engine.errors import InvalidArgument
 from hotswap.engine.verbs import SLEEP_TAGS
 from hotswap.entrypoints.server.verb_routes import VerbRoute, add_verb_routes
@@ -69,16 +70,16 @@ def _disk_answer(done: Any) -> dict[str, Any]:
 ROUTES = [
     VerbRoute(
         "/pause_generation",
-        "pause",
+        verbs.Pause,
         translate=_pause_args,
         answer=lambda d: {"status": "paused"},
     ),
-    VerbRoute("/continue_generation", "resume", answer=lambda d: {"status": "resumed"}),
-    VerbRoute("/flush_cache", "reset_prefix_cache"),
-    VerbRoute("/flush_cache", "reset_prefix_cache", "GET"),
+    VerbRoute("/continue_generation", verbs.Resume, answer=lambda d: {"status": "resumed"}),
+    VerbRoute("/flush_cache", verbs.ResetPrefixCache),
+    VerbRoute("/flush_cache", verbs.ResetPrefixCache, "GET"),
     VerbRoute(
         "/update_weights_from_disk",
-        "load_weights_from_disk",
+        verbs.LoadWeightsFromDisk,
         translate=_disk_args,
         consumes=frozenset({"load_format"}),
         answer=_disk_answer,
@@ -86,19 +87,19 @@ ROUTES = [
     ),
     VerbRoute(
         "/release_memory_occupation",
-        "sleep",
+        verbs.Sleep,
         translate=_release_args,
         consumes=frozenset({"tags"}),
     ),
     VerbRoute(
         "/resume_memory_occupation",
-        "wake_up",
+        verbs.WakeUp,
         translate=_resume_memory_args,
         answer=lambda d: {"success": True, "is_sleeping": d.result["is_sleeping"]},
     ),
     VerbRoute(
         "/get_weight_version",
-        "get_weight_version",
+        verbs.GetWeightVersion,
         "GET",
         answer=lambda d: {"weight_version": d.result["label"]},
     ),

@@ -48,6 +48,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from hotswap.engine import verbs
 from hotswap.engine.errors import EngineStateError, InvalidArgument
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.group_join import GroupJoin
@@ -74,7 +75,7 @@ DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 # body.dtypes[0].
 INIT = VerbRoute(
     "/init_weights_update_group",
-    "init_weight_transfer_engine",
+    verbs.InitWeightTransfer,
     names={key: f"init_info.{key}" for key in ("master_address", "master_port", "rank_offset",
                                                "world_size", "group_name")},
 )  # fmt: skip
@@ -82,9 +83,9 @@ INIT = VerbRoute(
 JOIN = GroupJoin("SGLang", INIT, "sglang", backend_field="backend", default_backend="nccl")
 UPDATE_NAMES = {"names": "update_info.names", "dtypes": "update_info.dtype_names",
                 "shapes": "update_info.shapes"}  # fmt: skip
-UPDATE = VerbRoute("/update_weights_from_distributed", "update_weights", names=UPDATE_NAMES)
+UPDATE = VerbRoute("/update_weights_from_distributed", verbs.UpdateWeights, names=UPDATE_NAMES)
 TENSOR = VerbRoute(
-    "/update_weights_from_tensor", "load_weights_inline", names={"named_tensors": "tensors"}
+    "/update_weights_from_tensor", verbs.LoadWeightsInline, names={"named_tensors": "tensors"}
 )
 
 INIT_FIELDS = frozenset(
@@ -272,7 +273,7 @@ async def _updated(
 ) -> dict[str, Any]:
     """SGLang's answer to a committed update, after the prefix-cache flush it asked for."""
     if flush_cache:
-        await call_verb(request, route, "reset_prefix_cache")
+        await call_verb(request, route, verbs.ResetPrefixCache)
     label = done.result["label"]
     message = "Succeeded to update parameter online."
     if values.get("weight_version") is not None:
@@ -297,7 +298,7 @@ async def destroy_weights_update_group(request: Request) -> dict[str, Any]:
             f"group_name: this server is in the weight-update group {joined!r}, not {group_name!r}",
             "body.group_name",
         )
-    left = await get_engine(request).call("leave_weight_transfer")
+    left = await get_engine(request).leave_weight_transfer()
     session.close()
     message = f"left {group_name!r}" if left else "no weight-update group to leave"
     return {"success": True, "message": message}

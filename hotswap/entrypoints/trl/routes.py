@@ -39,6 +39,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from starlette.exceptions import HTTPException
 
+from hotswap.engine import verbs
 from hotswap.entrypoints.openai.params import check_unknown_fields
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.state import get_engine, get_server_config
@@ -88,7 +89,7 @@ _control = APIRouter(dependencies=[Depends(_require_control)])
 
 GET_WORLD_SIZE = VerbRoute(
     "/get_world_size/",
-    "get_world_size",
+    verbs.GetWorldSize,
     "GET",
     source="query",
     answer=lambda d: {"world_size": d.result},
@@ -176,7 +177,7 @@ async def reset_prefix_cache(request: Request) -> dict[str, str]:
     session = trl_session(request)
     async with session.lock:
         await raise_deferred_failure(session)
-        await get_engine(request).call("reset_prefix_cache")
+        await get_engine(request).reset_prefix_cache()
     return {"message": "Request received, resetting prefix cache status: True"}
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from fastapi import Request
 
+from hotswap.engine import verbs
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.errors import EngineDeadError, EngineStateError
 from hotswap.entrypoints.server.errors import APIError, bad_request
@@ -51,12 +52,12 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # init_info's fields in TRL's wire names (for refusals of them).
 INIT = VerbRoute(
     "/init_communicator/",
-    "init_weight_transfer_engine",
+    verbs.InitWeightTransfer,
     sources={"init_info.master_address": "host", "init_info.master_port": "port",
              "init_info.world_size": "world_size"},
 )  # fmt: skip
 JOIN = GroupJoin("TRL", INIT, "trl")
-UPDATE = VerbRoute("/update_named_param/", "update_weights")
+UPDATE = VerbRoute("/update_named_param/", verbs.UpdateWeights)
 
 
 # -- the session (server/sessions.py: TRLSession) -----------------------------------------
@@ -118,14 +119,14 @@ async def cancel_init(session: TRLSession, engine: AsyncLLM) -> None:
     pending = session.pending
     if pending is not None and pending.is_init and not pending.task.done():
         with contextlib.suppress(Exception):
-            await engine.call("finish_weight_update", abort=True)
+            await engine.finish_weight_update(abort=True)
 
 
 async def leave_group(engine: AsyncLLM) -> None:
     """Drop the engine's broadcast group (refused mid-round: another client's round is
     left alone)."""
     with contextlib.suppress(EngineStateError):
-        await engine.call("leave_weight_transfer")
+        await engine.leave_weight_transfer()
 
 
 # -- the communicator -----------------------------------------------------------------------
@@ -160,7 +161,7 @@ async def drop_communicator(session: TRLSession, engine: AsyncLLM) -> None:
 
 
 async def check_world_size(engine: AsyncLLM, world_size: int) -> None:
-    workers = await engine.call("get_world_size")
+    workers = await engine.get_world_size()
     if world_size != workers + 1:
         raise bad_request(f"world_size: must be {workers + 1} (this server's {workers} "
                           f"worker(s) and the trainer), got {world_size}",
@@ -208,7 +209,7 @@ async def start_init(request: Request, session: TRLSession, init_info: dict[str,
 async def start_param_round(request: Request, session: TRLSession, meta: ParamMeta) -> None:
     """Open the round before the answer; its receive and commit run behind it (the
     trainer broadcasts once answered)."""
-    await call_verb(request, UPDATE, "start_weight_update", is_checkpoint_format=True)
+    await call_verb(request, UPDATE, verbs.StartWeightUpdate, is_checkpoint_format=True)
     what = f"update_named_param {meta.name!r}"
     task = asyncio.create_task(_receive_and_commit(request, metas_to_update_info([meta])))
     _run_behind_answer(session, task, what, is_init=False)
@@ -220,11 +221,11 @@ async def _receive_and_commit(request: Request, update_info: dict[str, Any]) -> 
     answer): receive, commit; any failure aborts the round (the old weights keep
     serving)."""
     try:
-        await call_verb(request, UPDATE, "update_weights", update_info=update_info)
-        return await call_verb(request, UPDATE, "finish_weight_update")
+        await call_verb(request, UPDATE, verbs.UpdateWeights, update_info=update_info)
+        return await call_verb(request, UPDATE, verbs.FinishWeightUpdate)
     except BaseException:
         with contextlib.suppress(Exception):
-            await get_engine(request).call("finish_weight_update", abort=True)
+            await get_engine(request).finish_weight_update(abort=True)
         raise
 
 

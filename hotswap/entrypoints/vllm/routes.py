@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from hotswap.engine import verbs
 from hotswap.engine.errors import InvalidArgument
 from hotswap.entrypoints.prime_rl.routes import update_weights_from_dir
 from hotswap.entrypoints.server.errors import bad_request
@@ -89,60 +90,60 @@ ROUTES = [
     # scheduling
     VerbRoute(
         "/pause",
-        "pause",
+        verbs.Pause,
         source="query",
         translate=_pause_args,
         consumes=frozenset({"wait_for_inflight_requests"}),
         answer=lambda d: {"status": "paused"},
     ),
-    VerbRoute("/resume", "resume", answer=lambda d: {"status": "resumed"}),
-    VerbRoute("/is_paused", "is_paused", "GET", answer=lambda d: {"is_paused": d.result}),
+    VerbRoute("/resume", verbs.Resume, answer=lambda d: {"status": "resumed"}),
+    VerbRoute("/is_paused", verbs.IsPaused, "GET", answer=lambda d: {"is_paused": d.result}),
     VerbRoute(
         "/reset_prefix_cache",
-        "reset_prefix_cache",
+        verbs.ResetPrefixCache,
         source="query",
         ignored=frozenset({"reset_external"}),
     ),
     # sleep
-    VerbRoute("/sleep", "sleep", source="query", answer=_slept),
-    VerbRoute("/wake_up", "wake_up", source="query", answer=_woken),
-    VerbRoute("/is_sleeping", "is_sleeping", "GET", answer=lambda d: {"is_sleeping": d.result}),
+    VerbRoute("/sleep", verbs.Sleep, source="query", answer=_slept),
+    VerbRoute("/wake_up", verbs.WakeUp, source="query", answer=_woken),
+    VerbRoute("/is_sleeping", verbs.IsSleeping, "GET", answer=lambda d: {"is_sleeping": d.result}),
     # weight versions
     VerbRoute(
-        "/weight_info", "get_weight_info", "GET", answer=lambda d: weight_info_answer(d.result)
+        "/weight_info", verbs.GetWeightInfo, "GET", answer=lambda d: weight_info_answer(d.result)
     ),
     VerbRoute(
         "/update_weight_version",
-        "update_weight_version",
+        verbs.UpdateWeightVersion,
         names={"new_version": "label"},
         answer=lambda d: {"success": True, "new_version": d.args.label},
     ),
     # weight transfer: the four phases (chunks: see update_weights below)
     VerbRoute(
         "/init_weight_transfer_engine",
-        "init_weight_transfer_engine",
+        verbs.InitWeightTransfer,
         answer=lambda d: {"message": "Weight transfer initialized"},
     ),
     VerbRoute(
         "/start_weight_update",
-        "start_weight_update",
+        verbs.StartWeightUpdate,
         answer=lambda d: {"message": "Weight update started"},
     ),
     VerbRoute(
         "/prepare_weight_update",
-        "prepare_weight_update",
+        verbs.PrepareWeightUpdate,
         answer=lambda d: {"status": "prepared", "staged": d.result},
     ),
     VerbRoute(
         "/finish_weight_update",
-        "finish_weight_update",
+        verbs.FinishWeightUpdate,
         translate=_finish_args,
         consumes=frozenset({"weight_label"}),
         answer=_finished,
     ),
     VerbRoute(
         "/get_world_size",
-        "get_world_size",
+        verbs.GetWorldSize,
         "GET",
         source="query",
         ignored=frozenset({"include_dp"}),
@@ -153,25 +154,25 @@ ROUTES = [
 ROUTES += [
     VerbRoute(
         "/collective_rpc",
-        "collective_rpc",
+        verbs.CollectiveRpc,
         ignored=frozenset({"timeout"}),  # the engine-side call cannot be interrupted
         answer=lambda d: {"results": d.result},
     ),
     VerbRoute(
         "/update_weight_label",
-        "update_weight_label",
+        verbs.UpdateWeightLabel,
         names={"weight_label": "label"},
         answer=lambda d: version_names(d.result),
     ),
     VerbRoute(
         "/weight_update_active",
-        "weight_update_active",
+        verbs.WeightUpdateActive,
         "GET",
         answer=lambda d: {"weight_update_active": d.result},
     ),
 ]
 
-UPDATE_WEIGHTS = VerbRoute("/update_weights", "update_weights")
+UPDATE_WEIGHTS = VerbRoute("/update_weights", verbs.UpdateWeights)
 
 vllm_router = APIRouter()
 add_verb_routes(vllm_router, ROUTES)
@@ -230,7 +231,7 @@ async def weight_checker(request: Request) -> dict:
     if action == "compare" and not isinstance(baseline, dict):
         raise bad_request("baseline: compare needs a checksums object (or a snapshot first)",
                           "body.baseline")  # fmt: skip
-    checksums = await get_engine(request).call("get_weight_checksums")
+    checksums = await get_engine(request).get_weight_checksums()
     if action == "checksum":
         return {"checksums": checksums}
     if action == "snapshot":
