@@ -1,11 +1,13 @@
 """`EngineArgs`: the flat, user-facing engine knobs, declared once. Python keyword
 arguments (`LLM(model, **kwargs)`), the CLI flags of `hotswap serve` / `generate` and their
 help all derive from these fields: a field's `Flag` metadata holds its help, choices and
-aliases (vLLM's spellings; hotswap/entrypoints/engine_flags.py builds the parser from it)."""
+aliases (vLLM's spellings). hotswap/entrypoints/flags.py derives the parser from it, as it
+does the server's flags from `ServerConfig`'s fields."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +42,21 @@ from hotswap.weight_transfer.config import ENGINE_BACKENDS, WeightTransferConfig
 @dataclass(frozen=True)
 class Flag:
     """How a field appears on the command line: `--field-name` (underscores become
-    dashes), typed from the field's annotation, defaulting to the field's default."""
+    dashes), typed from the field's annotation, defaulting to the field's default. A field
+    holding a parsed form of its flag's text declares the text's annotation (`cli_type`):
+    the flag then defaults to None, absent, and `parse` maps its value, None included, to
+    the field's (hotswap/entrypoints/flags.py derives the parser and the values)."""
 
-    help: str
+    help: str | None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     aliases: tuple[str, ...] = ()  # further spellings, e.g. vLLM's or an older one
+    name: str | None = None  # the flag's name where it is not the field's (vLLM's spelling)
+    cli_type: Any = None  # the flag's value's annotation where the field holds a parsed form
+    parse: Callable[[Any], Any] | None = None  # the flag's value -> the field's (default: as is)
+    # argparse's action where the type's is not the flag's: "store_true" (a switch with no
+    # --no-x, as the flag always was), "extend" (a list over several uses of the flag)
+    action: str | None = None
 
 
 FLAG_KEY = "flag"  # the field metadata key holding its Flag; a field without one has no flag
@@ -56,8 +67,9 @@ FLAG_KEY = "flag"  # the field metadata key holding its Flag; a field without on
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 
 
-def arg(default: Any, help: str, **flag: Any) -> Any:
-    """A field that is also a CLI flag (see `Flag` for the keyword arguments)."""
+def arg(default: Any = MISSING, help: str | None = None, **flag: Any) -> Any:
+    """A field that is also a CLI flag (see `Flag` for the keyword arguments); MISSING: a
+    field with no default."""
     return field(default=default, metadata={FLAG_KEY: Flag(help, **flag)})
 
 

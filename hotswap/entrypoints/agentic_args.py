@@ -1,44 +1,12 @@
-"""The command-line flags of agentic serving, in vLLM's spelling: tool calling, reasoning,
-and structured-output defaults (`hotswap serve`)."""
+"""The start-up checks of agentic serving's flags (tool calling and reasoning, in vLLM's
+spelling), which `ServerConfig` declares (hotswap/entrypoints/server/state.py)."""
 
 from __future__ import annotations
 
-import argparse
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from hotswap.entrypoints.server.state import ServerConfig
-
-
-def add_agentic_args(group: argparse._ArgumentGroup) -> None:
-    """vLLM's tool-calling and reasoning flags (parsers by vLLM's names)."""
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='let the model choose to call tools (tool_choice "auto"; needs --tool-call-parser)',
-    )
-    group.add_argument(
-        "--tool-call-parser",
-        default=None,
-        metavar="NAME",
-        help="how tool calls are read from the model's text: hermes (Qwen2.5/Qwen3), "
-        "qwen3_coder, llama3_json, pythonic",
-    )
-    group.add_argument(
-        "--structured-outputs-config",
-        default=None,
-        metavar="JSON",
-        help="defaults for every constraint, e.g. '{\"disable_any_whitespace\": true}' "
-        "(vLLM's flag, compiled by llguidance). backend: auto (vLLM's default: a JSON "
-        "schema allows only the properties it lists) or guidance (JSON Schema's open "
-        "objects, unless disable_additional_properties)",
-    )
-    group.add_argument(
-        "--reasoning-parser",
-        default=None,
-        metavar="NAME",
-        help="split the model's thinking into `reasoning`: qwen3, deepseek_r1",
-    )
 
 
 def check_parsers(config: ServerConfig) -> None:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from hotswap.entrypoints.agentic_args import add_agentic_args, check_parsers
+from hotswap.engine_args import arg
+from hotswap.entrypoints.agentic_args import check_parsers
 from hotswap.entrypoints.engine_flags import add_engine_args, engine_kwargs
+from hotswap.entrypoints.flags import add_flags, flag_values
+from hotswap.entrypoints.server.state import ServerConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,115 +37,36 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_engine_args(serve)
     group = serve.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    group.add_argument(
-        "--api-key",
-        default=None,
-        help="require `Authorization: Bearer KEY` (or set $HOTSWAP_API_KEY / $VLLM_API_KEY, "
-        "or --api-key-file: a command line is visible to every local user)",
-    )
-    group.add_argument(
-        "--api-key-file", default=None, metavar="PATH", help="read the API key from a file"
-    )
-    group.add_argument("--served-model-name", default=None)
-    group.add_argument(
-        "--enable-control",
-        action="store_true",
-        help="RL control plane (pause/resume, weights, sleep); also HOTSWAP_SERVER_DEV_MODE=1",
-    )
-    group.add_argument(
-        "--enable-prompt-tokens-details",
-        action="store_true",
-        help="report usage.prompt_tokens_details.cached_tokens",
-    )
-    group.add_argument(
-        "--return-tokens-as-token-ids",
-        action="store_true",
-        help='logprob tokens as "token_id:N" strings on every request (vLLM\'s flag)',
-    )
-    group.add_argument(
-        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
-    )
-    group.add_argument(
-        "--lora-modules",
-        nargs="+",
-        action="extend",
-        default=None,
-        metavar="MODULE",
-        help="LoRA adapters to load at start (needs --enable-lora), as vLLM's flag: "
-        'name=path or JSON {"name": ..., "path": ..., "base_model_name": ...}',
-    )
-    add_agentic_args(group)
-    add_limit_args(group)
+    add_flags(group, ServerConfig)
+    add_flags(group, StartupFlags)
 
 
-def add_limit_args(group: argparse._ArgumentGroup) -> None:
-    from hotswap.entrypoints.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+@dataclass(frozen=True)
+class StartupFlags:
+    """The server flags read once at start-up into something other than a `ServerConfig`
+    field: the API key's file (into its api_key) and the master addresses (into the
+    engine's --weight-transfer-config). Listed after the config's flags."""
 
-    group.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
-        help="larger request bodies are refused 413 before they are read",
-    )
-    group.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="accept a chat_template in requests (code the server runs); refused otherwise",
-    )
-    group.add_argument(
-        "--reject-unknown-fields",
-        action="store_true",
-        help="refuse request fields the OpenAI routes do not know (400 naming the field); "
-        "by default they are ignored with a logged warning, as vLLM does",
-    )
-    group.add_argument(
-        "--allowed-master-addresses",
-        nargs="+",
-        default=None,
-        metavar="ADDR",
-        help="master addresses (names, addresses or networks) a weight-transfer init may "
+    api_key_file: str | None = arg(None, "read the API key from a file", metavar="PATH")
+    allowed_master_addresses: list[str] | None = arg(
+        None,
+        "master addresses (names, addresses or networks) a weight-transfer init may "
         "name; default any (same as allowed_master_addresses in --weight-transfer-config)",
+        metavar="ADDR",
     )
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    import os
-
-    from hotswap.default_model import DEFAULT_MODEL_NAME
     from hotswap.entrypoints.server.app import run_server
-    from hotswap.entrypoints.server.state import ServerConfig
-    from hotswap.lora.modules import parse_lora_modules
-    from hotswap.structured_output import StructuredOutputsConfig
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"model: given twice ({args.model_tag!r} and --model {args.model!r})")
     model = args.model_tag or args.model
-    # vLLM's compatibility switch for its dev-mode routes.
-    dev_mode = os.environ.get("HOTSWAP_SERVER_DEV_MODE", "0") not in ("", "0", "false")
-    config = ServerConfig(
-        served_model_name=args.served_model_name or model or DEFAULT_MODEL_NAME,
-        host=args.host,
-        port=args.port,
-        api_key=api_key(args),
-        enable_control=args.enable_control or dev_mode,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        log_level=args.log_level,
-        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        max_request_body_bytes=args.max_request_body_bytes,
-        trust_request_chat_template=args.trust_request_chat_template,
-        reject_unknown_fields=args.reject_unknown_fields,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-        structured_outputs=StructuredOutputsConfig.from_json(args.structured_outputs_config),
-        lora_modules=parse_lora_modules(args.lora_modules),
-    )
+    config = server_config(args, model)
     if config.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules: LoRA is not enabled: add --enable-lora")
     check_parsers(config)
-    if args.max_request_body_bytes < 1:
+    if config.max_request_body_bytes < 1:
         raise ValueError("--max-request-body-bytes: must be at least 1")
     kwargs = engine_kwargs(args)
     if args.allowed_master_addresses:
@@ -149,6 +74,24 @@ def run_serve(args: argparse.Namespace) -> None:
             kwargs.get("weight_transfer_config"), args.allowed_master_addresses
         )
     run_server(config, model, kwargs)
+
+
+def server_config(args: argparse.Namespace, model: str | None) -> ServerConfig:
+    """The `ServerConfig` a parsed `hotswap serve` command line gives: every field from its
+    flag (flags.flag_values), but for the three a flag alone does not give, resolved here
+    first (so --api-key's refusals come before any other flag's, as they always did)."""
+    import os
+
+    from hotswap.default_model import DEFAULT_MODEL_NAME
+
+    # vLLM's compatibility switch for its dev-mode routes.
+    dev_mode = os.environ.get("HOTSWAP_SERVER_DEV_MODE", "0") not in ("", "0", "false")
+    resolved = {
+        "served_model_name": args.served_model_name or model or DEFAULT_MODEL_NAME,
+        "api_key": api_key(args),
+        "enable_control": args.enable_control or dev_mode,
+    }
+    return ServerConfig(**{**flag_values(ServerConfig, args), **resolved})
 
 
 def api_key(args: argparse.Namespace) -> str | None:
