@@ -18,6 +18,8 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 # vLLM's --attention-backend names hotswap runs (execution/kernel_choice.py): its Triton
 # kernels, its CPU kernels, torch operators.
 ATTENTION_BACKENDS = ("TRITON_ATTN", "CPU_ATTN", "TORCH_SDPA")
+# How the data-parallel front end picks a rank for a new request (engine/dp_router.py).
+DP_ROUTING = ("least-loaded", "session", "cache-aware")
 
 
 def check_logprobs_mode(mode: object) -> str:

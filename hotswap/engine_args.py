@@ -16,6 +16,7 @@ import torch
 from hotswap.config import (
     ATTENTION_BACKENDS,
     DEFAULT_KV_CACHE_BYTES,
+    DP_ROUTING,
     LOGPROBS_MODES,
     CacheConfig,
     EngineConfig,
@@ -112,6 +113,13 @@ class EngineArgs:
         "where the engine cores run: mp, child processes; ray, Ray actors (one "
         "placement-group bundle each; pip install 'hotswap[ray]')",
         choices=("mp", "ray"),
+    )
+    dp_routing: str = arg(
+        "session",
+        "which data-parallel rank a request goes to: session (a request with X-Session-ID "
+        "to its session's rank), cache-aware (also: without one, to the rank caching its "
+        "prefix), least-loaded",
+        choices=DP_ROUTING,
     )
     ray_address: str | None = arg(
         None,
@@ -239,6 +247,7 @@ class EngineArgs:
             head_dtype=self._head_dtype(),
         )
         check_positive("data_parallel_size", self.data_parallel_size)
+        check_choice("dp_routing", self.dp_routing, DP_ROUTING)
         self._check_tensor_parallel()
         check_data_parallel_backend(self.data_parallel_backend, self.ray_address)
         if self.num_threads is not None:

@@ -40,6 +40,12 @@ from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
 from hotswap.weight_transfer.inline import inline_tensors
 
+MAX_SESSION_ID_CHARS = 256  # a session key is a name, not a payload
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 @with_verb_methods(coroutine=True)
 class AsyncLLM:
@@ -63,6 +69,7 @@ class AsyncLLM:
             raise TypeError(f"AsyncLLM: unknown engine argument(s) {sorted(unknown)}")
         args = EngineArgs(model=model, **engine_args)
         self.config = args.create_engine_config()
+        self.data_parallel_size = args.data_parallel_size
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
         self.client = _engine_client(args, self.config, multiprocess, progress)
@@ -84,18 +91,23 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        *,
+        data_parallel_rank: int | None = None,
+        session_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative or delta, per `output_kind`). Leaving
         the loop early, or cancelling the consumer, aborts the request and frees its KV.
         `lora_request`: the adapter it runs on, loaded on every engine core when first
-        named (vLLM's)."""
+        named (vLLM's). With data parallelism, `data_parallel_rank` pins the rank (vLLM's)
+        and `session_id` keeps a multi-turn session on one rank (`--dp-routing`)."""
         self._start()
+        routing = self._routing(data_parallel_rank, session_id)
         params = sampling_params or SamplingParams(**self.config.default_sampling)
         request_id = request_id or f"req-{next(self._request_ids)}"
         if lora_request is not None and self._loras.needs_load(lora_request):
             await self.load_lora_adapter(lora_request.lora_name, lora_request.lora_path, True)
         lora_name = lora_request.lora_name if lora_request is not None else None
-        stream = self._submit(request_id, prompt, params, lora_name)
+        stream = self._submit(request_id, prompt, params, lora_name, routing)
         finished = False
         try:
             while not finished:
@@ -110,8 +122,26 @@ class AsyncLLM:
             if not finished and self._dead is None:
                 self.client.abort_requests(children)
 
+    def _routing(self, rank: int | None, session_id: str | None) -> dict[str, Any]:
+        """The routing hints of a request, checked (InvalidArgument naming the field)."""
+        size = self.data_parallel_size
+        if rank is not None and (not _is_int(rank) or not 0 <= rank < size):
+            raise InvalidArgument("data_parallel_rank", f"data_parallel_rank: must be an "
+                                  f"integer in [0, {size}), got {rank!r}")  # fmt: skip
+        if session_id is not None and not (
+            isinstance(session_id, str) and 0 < len(session_id) <= MAX_SESSION_ID_CHARS
+        ):
+            raise InvalidArgument("session_id", "session_id: must be a non-empty string of at "
+                                  f"most {MAX_SESSION_ID_CHARS} characters")  # fmt: skip
+        return {"data_parallel_rank": rank, "session_id": session_id}
+
     def _submit(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, lora_name: str | None
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams,
+        lora_name: str | None,
+        routing: dict[str, Any] | None = None,
     ) -> asyncio.Queue[RequestOutput | BaseException]:
         if request_id in self._streams:
             raise InvalidArgument("request_id", f"request_id: {request_id!r} is already in use")
@@ -133,6 +163,7 @@ class AsyncLLM:
                     time.monotonic(),
                     cache_salt=salt,
                     lora_name=lora_name,
+                    **(routing or {}),
                 )
             )
         return stream
@@ -203,11 +234,12 @@ class AsyncLLM:
 
     def front_end_stats(self) -> dict[str, Any]:
         """Counters kept as requests pass this front-end: prompt and generated tokens,
-        finished requests by reason."""
+        finished requests by reason; with data parallelism, how requests were routed."""
         return {
             "prompt_tokens": self._prompt_tokens,
             "generation_tokens": self._generation_tokens,
             "finished_requests": dict(self._finished),
+            **self.client.routing_stats(),
         }
 
     def shutdown(self) -> None:

@@ -53,6 +53,10 @@ class EngineCoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def routing_stats(self) -> dict[str, object]:
+        """How requests were routed over data-parallel ranks (none: one core)."""
+        return {}
+
 
 class InprocEngineClient(EngineCoreClient):
     """The engine core loop on a daemon thread; torch releases the GIL inside its kernels,

@@ -1,7 +1,8 @@
 """Data parallel (docs/design.md §2): N engine cores, each in its own child process (or Ray actor,
 hotswap.ray.dp) with its own model copy and KV cache, behind one front-end.
 
-- A new request goes to the rank with the fewest unfinished requests; its aborts follow it.
+- A new request goes to the rank `--dp-routing` picks (dp_router.py: its session's, the one
+  caching its prefix, or the one with the fewest unfinished requests); its aborts follow it.
 - Every control call goes to every rank and is answered once all have answered, with the
   results merged as its verb declares (verbs.Merge), or the first rank's error.
   Outputs a rank produced before its answer are delivered before the merged answer, so
@@ -21,6 +22,7 @@ from collections import defaultdict
 
 from hotswap.engine import verbs
 from hotswap.engine.core_client import EngineCoreClient, MPEngineClient, OutputHandler
+from hotswap.engine.dp_router import DPRouter
 from hotswap.engine.messages import (
     CallError,
     EngineCoreOutputs,
@@ -33,6 +35,9 @@ from hotswap.weight_transfer.backends import get_backend
 from hotswap.weight_transfer.config import WeightTransferConfig
 from hotswap.weight_transfer.engine import shift_rank_offset
 
+# cache-aware routing: block hashes remembered per rank when the KV cache is sized by memory
+# (its block count is known only inside the rank)
+PREFIX_BLOCKS = 1 << 16
 _MAX_STATS = frozenset({"weight_version", "sleep_level", "step_ms_p50", "step_ms_p99"})
 
 
@@ -77,7 +82,13 @@ class DPEngineClient(EngineCoreClient):
         # Unfinished requests per rank. A reused id may briefly be on two ranks (the old
         # one still finishing its abort), so ranks count their own.
         self.active: list[set[str]] = [set() for _ in self.ranks]
-        self.routed = [0] * len(self.ranks)  # requests sent to each rank, ever
+        self.router = DPRouter(
+            engine_args.dp_routing,
+            len(self.ranks),
+            engine_args.max_num_seqs,
+            engine_args.block_size,
+            engine_args.num_kv_blocks or PREFIX_BLOCKS,
+        )
         self.answers: dict[int, list[UtilityResult | None]] = {}
         self.methods: dict[int, type[verbs.Args]] = {}  # call id -> its verb
         self.on_outputs: OutputHandler | None = None
@@ -87,6 +98,15 @@ class DPEngineClient(EngineCoreClient):
         self.shifts = config is None or not get_backend(config.backend).every_rank_receives
         self.dead = False  # a rank died: the front end has failed everything already
 
+    @property
+    def routed(self) -> list[int]:
+        """Requests sent to each rank, ever."""
+        return self.router.stats.routed
+
+    def routing_stats(self) -> dict[str, object]:
+        with self.lock:
+            return self.router.stats.as_dict()
+
     def start(self, on_outputs: OutputHandler) -> None:
         self.on_outputs = on_outputs
         for index, rank in enumerate(self.ranks):
@@ -94,10 +114,12 @@ class DPEngineClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         with self.lock:
-            rank = min(range(len(self.ranks)), key=lambda i: len(self.active[i]))
+            loads = [len(active) for active in self.active]
+            rank = self.router.choose(
+                loads, request.session_id, request.data_parallel_rank, request.prompt_token_ids
+            )
             self.owner[request.request_id] = rank
             self.active[rank].add(request.request_id)
-            self.routed[rank] += 1
         self.ranks[rank].add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -50,6 +50,14 @@ _COUNTERS = (
     ("hotswap:prompt_tokens", "prompt_tokens", "Prompt tokens submitted."),
     ("hotswap:generation_tokens", "generation_tokens", "Tokens generated."),
     ("hotswap:num_preemptions", "num_preemptions", "Requests preempted for lack of KV blocks."),
+    # data-parallel routing (engine/dp_router.py; 0 with one engine core)
+    ("hotswap:dp_session_hits", "dp_session_hits", "Requests sent to their session's rank."),
+    (
+        "hotswap:dp_session_moves",
+        "dp_session_moves",
+        "Requests whose session's rank was overloaded: spilled, the session moved.",
+    ),
+    ("hotswap:dp_prefix_hits", "dp_prefix_hits", "Requests sent to the rank caching their prefix."),
 )
 
 
@@ -85,6 +93,13 @@ class _EngineSnapshot(Collector):
         for reason, count in sorted(stats.get("finished_requests", {}).items()):
             finished.add_metric([self.model_name, reason], float(count))
         yield finished
+        routed = CounterMetricFamily(
+            "hotswap:dp_routed_requests", "Requests sent to each data-parallel rank.",
+            labels=[*labels, "rank"],
+        )  # fmt: skip
+        for rank, count in enumerate(stats.get("dp_routed", [])):
+            routed.add_metric([self.model_name, str(rank)], float(count))
+        yield routed
         yield from snapshot_families(stats, self.model_name)
 
 
