@@ -20,7 +20,7 @@ from hotswap.entrypoints.openai.protocol import (
     RequestModel,
     SamplingRequest,
 )
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import WarningThrottle, check_prompt_chars, printable_field
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids, get_server_config
 from hotswap.errors import InvalidArgument
@@ -108,8 +108,7 @@ def check_unknown_fields(request: Request, body: RequestModel) -> None:
         return
     if get_server_config(request).reject_unknown_fields:
         field = printable_field(names[0])
-        raise APIError(
-            400,
+        raise bad_request(
             f"{field}: Extra inputs are not permitted (unknown field; this server runs "
             f"with --reject-unknown-fields)",
             f"body.{field}",
@@ -152,19 +151,16 @@ def check_unsupported(body: SamplingRequest) -> None:
     for name, accepted in _DEFAULT_ONLY.items():
         value = getattr(body, name, None)
         if not any(_same(value, ok) for ok in accepted):
-            raise APIError(
-                400,
+            raise bad_request(
                 f"{name}: {value!r} is not supported by hotswap (allowed: "
                 f"{', '.join(repr(v) for v in accepted)})",
                 f"body.{name}",
             )
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != body.n:
-        raise APIError(400, f"best_of: must equal n ({body.n}) if given", "body.best_of")
+        raise bad_request(f"best_of: must equal n ({body.n}) if given", "body.best_of")
     if body.stream_options is not None and not body.stream:
-        raise APIError(
-            400, "stream_options: only allowed when stream is true", "body.stream_options"
-        )
+        raise bad_request("stream_options: only allowed when stream is true", "body.stream_options")
 
 
 def _same(value: Any, accepted: Any) -> bool:
@@ -244,8 +240,7 @@ def routed_experts_start(body: SamplingRequest) -> int:
     if body.routed_experts_prompt_start or not body.return_routed_experts:
         return body.routed_experts_prompt_start
     if body.routed_experts_start_len < 0:
-        raise APIError(
-            400,
+        raise bad_request(
             f"routed_experts_start_len: {body.routed_experts_start_len} is lower than 0; use "
             "a non-negative routed_experts_start_len",
             "body.routed_experts_start_len",
@@ -258,7 +253,7 @@ def _field_error(error: InvalidArgument, body: SamplingRequest) -> APIError:
     if field == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         message = message.replace(field, "max_completion_tokens", 1)
         field = "max_completion_tokens"
-    return APIError(400, message, f"body.{field}" if field else None)
+    return bad_request(message, f"body.{field}" if field else None)
 
 
 def completion_max_tokens(body: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -292,7 +287,7 @@ def prepare_prompt(
     try:
         check_prompt(ids, engine.config.model.vocab_size, engine.config.scheduler.max_model_len)
     except ValueError as e:
-        raise APIError(400, str(e), param) from None
+        raise bad_request(str(e), param) from None
     return EnginePrompt(text, ids)
 
 
@@ -303,8 +298,7 @@ def check_context_length(
     limit = engine.config.scheduler.max_model_len
     num = len(prompt.token_ids)
     if max_tokens is not None and num + max_tokens > limit:
-        raise APIError(
-            400,
+        raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num + max_tokens} tokens ({num} in the messages, {max_tokens} in the "
             f"completion). Please reduce the length of the messages or completion.",

@@ -34,7 +34,7 @@ from fastapi import APIRouter, Request, Response
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.entrypoints.openai.serving import MergedStream, collect_final
 from hotswap.entrypoints.openai.streaming import SSE_DONE, SSEResponse, sse_error
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.state import get_engine
 from hotswap.entrypoints.sglang.protocol import GenerateRequest
 from hotswap.entrypoints.sglang.render import ItemState, fill_missing_labels, job_stream
@@ -55,7 +55,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     except InvalidArgument as e:
         if e.field != "request_id":
             raise
-        raise APIError(400, f"rid: {str(e).split(': ', 1)[1]}", "body.rid") from None
+        raise bad_request(f"rid: {str(e).split(': ', 1)[1]}", "body.rid") from None
     # SGLang's items: prompt by prompt, n samples each (n > 1 is one engine request).
     items = [
         ItemState(job, job.request_id, started, engine.tokenizer) for job in jobs for _ in range(n)
