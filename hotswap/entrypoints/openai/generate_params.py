@@ -25,6 +25,7 @@ from hotswap.entrypoints.openai.generate_protocol import GenerateRequest, Genera
 from hotswap.entrypoints.openai.params import EnginePrompt, sampling_params
 from hotswap.entrypoints.openai.parsers import REASONING_PARSERS
 from hotswap.entrypoints.openai.protocol import SamplingRequest
+from hotswap.entrypoints.server.default_only import DefaultOnly, Only, check_default_only
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.state import ServerConfig
 from hotswap.errors import InvalidArgument
@@ -35,15 +36,29 @@ SP = "body.sampling_params"
 MAX_CACHE_SALT_CHARS = 128
 CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
-# sampling_params fields hotswap cannot honour: accepted only while unset (None)
-_UNSET_ONLY: dict[str, str] = {
-    "prompt_logprob_token_ids": "scoring chosen token ids per prompt row",
-    "prompt_logprob_start": "scoring from a prompt row other than the first",
-    "logprob_token_ids": "logprobs of chosen token ids",
-    "thinking_token_budget": "a thinking token budget",
-    "repetition_detection": "repetition detection",
-    "trace_decode_token_ids": "forcing a decode trace",
-}
+# The body's and sampling_params' fields hotswap cannot honour: accepted only while unset
+# (null; content_parts, a list by its type, empty too)
+_REFUSAL = "{name}: {why} is not supported by hotswap"
+BODY_DEFAULT_ONLY = DefaultOnly(
+    {
+        "features": Only(why="multimodal inputs"),
+        "content_parts": Only((None, []), "multimodal inputs"),
+        "kv_transfer_params": Only(why="KV transfer"),
+        "ec_transfer_params": Only(why="encoder-cache transfer"),
+    },
+    _REFUSAL,
+)
+SAMPLING_DEFAULT_ONLY = DefaultOnly(
+    {
+        "prompt_logprob_token_ids": Only(why="scoring chosen token ids per prompt row"),
+        "prompt_logprob_start": Only(why="scoring from a prompt row other than the first"),
+        "logprob_token_ids": Only(why="logprobs of chosen token ids"),
+        "thinking_token_budget": Only(why="a thinking token budget"),
+        "repetition_detection": Only(why="repetition detection"),
+        "trace_decode_token_ids": Only(why="forcing a decode trace"),
+    },
+    _REFUSAL,
+)
 # the fields copied as they are into the SamplingRequest that /v1/completions builds from
 _SHARED = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -56,15 +71,7 @@ _SHARED = (
 
 def check_unsupported_generate(body: GenerateRequest) -> None:
     """400 naming the first field whose value hotswap would otherwise have to ignore."""
-    unsupported = {
-        "features": (body.features is not None, "multimodal inputs"),
-        "content_parts": (bool(body.content_parts), "multimodal inputs"),
-        "kv_transfer_params": (body.kv_transfer_params is not None, "KV transfer"),
-        "ec_transfer_params": (body.ec_transfer_params is not None, "encoder-cache transfer"),
-    }
-    for name, (given, what) in unsupported.items():
-        if given:
-            raise bad_request(f"{name}: {what} is not supported by hotswap", f"body.{name}")
+    check_default_only(BODY_DEFAULT_ONLY, body)
     _check_cache_salt(body.cache_salt)
     _check_sampling_fields(body.sampling_params)
     if body.output_mode != "tokens" and not body.sampling_params.detokenize:
@@ -75,9 +82,7 @@ def check_unsupported_generate(body: GenerateRequest) -> None:
 
 
 def _check_sampling_fields(sp: GenerateSamplingParams) -> None:
-    for name, what in _UNSET_ONLY.items():
-        if getattr(sp, name) is not None:
-            raise bad_request(f"{name}: {what} is not supported by hotswap", f"{SP}.{name}")
+    check_default_only(SAMPLING_DEFAULT_ONLY, sp, SP)
     if sp.watermarking:
         raise bad_request("watermarking: hotswap has no watermark", f"{SP}.watermarking")
     if sp.extra_args:

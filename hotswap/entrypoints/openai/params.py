@@ -20,6 +20,7 @@ from hotswap.entrypoints.openai.protocol import (
     RequestModel,
     SamplingRequest,
 )
+from hotswap.entrypoints.server.default_only import DefaultOnly, Only, check_default_only
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import WarningThrottle, check_prompt_chars, printable_field
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids, get_server_config
@@ -38,13 +39,16 @@ MAX_FIELDS_NAMED = 10  # in one warning; a body can hold thousands of keys
 # warnings held back is reported with the next one logged.
 _ignored_fields_throttle = WarningThrottle(interval_s=60.0, max_per_interval=20)
 
-# field -> the values accepted (hotswap does not implement anything else)
-# (beam search is not implemented; vLLM refuses a suffix too)
-_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "length_penalty": (None, 1),
-    "use_beam_search": (False,),
-    "suffix": (None, ""),
-}
+# Accepted at their defaults alone: beam search is not implemented; vLLM refuses a
+# suffix too.
+DEFAULT_ONLY = DefaultOnly(
+    {
+        "length_penalty": Only((None, 1)),
+        "use_beam_search": Only((False,)),
+        "suffix": Only((None, "")),
+    },
+    "{name}: {value!r} is not supported by hotswap (allowed: {allowed})",
+)
 
 
 @dataclass
@@ -148,23 +152,12 @@ def warn_ignored_fields(
 
 def check_unsupported(body: SamplingRequest) -> None:
     """400 for any parameter that hotswap would otherwise have to ignore."""
-    for name, accepted in _DEFAULT_ONLY.items():
-        value = getattr(body, name, None)
-        if not any(_same(value, ok) for ok in accepted):
-            raise bad_request(
-                f"{name}: {value!r} is not supported by hotswap (allowed: "
-                f"{', '.join(repr(v) for v in accepted)})",
-                f"body.{name}",
-            )
+    check_default_only(DEFAULT_ONLY, body)
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != body.n:
         raise bad_request(f"best_of: must equal n ({body.n}) if given", "body.best_of")
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options: only allowed when stream is true", "body.stream_options")
-
-
-def _same(value: Any, accepted: Any) -> bool:
-    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
 
 
 def apply_server_flags(request: Request, body: SamplingRequest) -> None:

@@ -19,7 +19,7 @@ from hotswap.entrypoints.openai.params import (
     prepare_prompt,
     warn_ignored_fields,
 )
-from hotswap.entrypoints.openai.protocol import RequestModel
+from hotswap.entrypoints.server.default_only import absent, check_default_only, short_repr
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import off_loop, printable_field
 from hotswap.entrypoints.server.state import get_server_config
@@ -48,7 +48,7 @@ async def plan_jobs(
 ) -> tuple[list[Job], int, bool]:
     """(one job per prompt, samples per prompt n, whether the request is a single prompt)."""
     check_unknown_fields(request, body)
-    _check_default_only(body, DEFAULT_ONLY, "body")
+    check_default_only(DEFAULT_ONLY, body)
     inputs, single = _inputs(body)
     samplings = _samplings(request, body.sampling_params, len(inputs))
     n = _common_n(samplings)
@@ -73,36 +73,9 @@ async def plan_jobs(
     return jobs, n, single
 
 
-def _check_default_only(model: RequestModel, names: list[str], prefix: str) -> None:
-    """A field hotswap cannot honour is refused unless absent: never silently ignored."""
-    for name in names:
-        value = getattr(model, name)
-        if not _absent(value):
-            field = f"{_label(prefix)}.{name}".lstrip(".")
-            raise bad_request(
-                f"{field}: {_short(value)} is not supported by hotswap (only an absent, null, "
-                f"false or empty value is accepted)",
-                f"{prefix}.{name}",
-            )
-
-
 def _label(param: str) -> str:
     """A param without its root, as messages name fields (`sampling_params.n`)."""
     return param.removeprefix("body").lstrip(".")
-
-
-def _absent(value: Any) -> bool:
-    """null, false, or a container of such ([None, None]: a batch without images)."""
-    if value is None or value is False:
-        return True
-    if isinstance(value, (list, dict)):
-        return all(_absent(v) for v in (value.values() if isinstance(value, dict) else value))
-    return False
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _inputs(body: GenerateRequest) -> tuple[list[tuple[str | list[int], str]], bool]:
@@ -158,9 +131,9 @@ def _samplings(request: Request, value: Any, count: int) -> list[tuple[SGLangSam
             fields = SGLangSampling.model_validate(raw)
         except ValidationError as e:
             raise _validation_error(e, prefix) from None
-        _check_default_only(fields, SAMPLING_DEFAULT_ONLY, prefix)
+        check_default_only(SAMPLING_DEFAULT_ONLY, fields, prefix)
         unknown += [f"{_label(prefix)}.{name}" for name in fields.unknown_fields]
-        if not _absent(fields.custom_params):
+        if not absent(fields.custom_params):
             ignored.append(f"{_label(prefix)}.custom_params")
         parsed.append((fields, prefix))
     _unknown_sampling_fields(request, unknown, ignored)
@@ -231,7 +204,7 @@ def _per_prompt(value: Any, count: int, name: str, ok: Any, default: Any) -> lis
         value, params = [value] * count, [name] * count
     for item, param in zip(value, params):
         if not ok(item):
-            raise bad_request(f"{param}: invalid value {_short(item)}", f"body.{param}")
+            raise bad_request(f"{param}: invalid value {short_repr(item)}", f"body.{param}")
     return [default if item is None else item for item in value]
 
 
@@ -246,7 +219,7 @@ def _loras(request: Request, value: Any, count: int) -> list[LoRARequest | None]
         if name is not None and lora is None:
             field = f"lora_path[{i}]" if isinstance(value, list) else "lora_path"
             raise bad_request(
-                f"{field}: no LoRA adapter named {_short(name)} is loaded "
+                f"{field}: no LoRA adapter named {short_repr(name)} is loaded "
                 "(load it with /load_lora_adapter)",
                 f"body.{field}",
             )
