@@ -19,7 +19,7 @@ import logging
 
 from fastapi import APIRouter, Request, Response
 
-from hotswap.entrypoints.openai.params import check_unknown_fields, served_model_name
+from hotswap.entrypoints.openai.params import UnknownFieldsRoute, served_model_name
 from hotswap.entrypoints.openai.protocol import RequestModel
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids
@@ -28,7 +28,7 @@ from hotswap.lora.modules import load_adapter, not_found
 
 logger = logging.getLogger(__name__)
 
-lora_router = APIRouter()
+lora_router = APIRouter(route_class=UnknownFieldsRoute)  # unknown fields: warned or refused
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -57,7 +57,6 @@ def refusal(error: InvalidArgument) -> APIError:
 
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
-    check_unknown_fields(request, body)
     if not body.lora_name or not body.lora_path:
         param = "body.lora_path" if body.lora_name else "body.lora_name"
         raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", param)
@@ -79,7 +78,6 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
 
 @lora_router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
-    check_unknown_fields(request, body)
     name = body.lora_name
     if not name:
         raise bad_request(

@@ -3,13 +3,16 @@ unsupported parameters, `SamplingParams` and prompt (length) checks."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.routing import APIRoute
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import check_prompt, encode_prompt
@@ -102,22 +105,68 @@ def base_request_id(request: Request, body_id: str | None, prefix: str) -> str:
     return header or body_id or f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_unknown_fields(request: Request, body: RequestModel) -> None:
-    """Fields of the request that no parameter declares (nested ones too, as
-    `stream_options.foo`): ignored with a (throttled) warning, as vLLM does, or under
-    --reject-unknown-fields a 400 naming the first, `body.<field>`, as before the flag.
-    Messages are free-form objects handed to the chat template whole, never refused."""
-    names = body.unknown_fields
-    if not names:
-        return
-    if get_server_config(request).reject_unknown_fields:
-        field = printable_field(names[0])
+def check_unknown_fields(
+    request: Request, unknown: Sequence[str], ignored: Sequence[str] = ()
+) -> None:
+    """The policy for a request's fields that no parameter declares (`unknown`, nested
+    ones as `stream_options.foo`): ignored with a (throttled) warning, as vLLM does, or
+    under --reject-unknown-fields a 400 naming the first, `body.<field>`, as before the
+    flag. `ignored`: fields known but ignored (SGLang's custom_params), only ever warned
+    about, in the same warning. Messages are free-form objects handed to the chat
+    template whole, never refused. A route with a request-model body gets this from its
+    router (`UnknownFieldsRoute`); nested bodies checked in code (SGLang's per-prompt
+    sampling_params) call it themselves."""
+    if unknown and get_server_config(request).reject_unknown_fields:
+        field = printable_field(unknown[0])
         raise bad_request(
             f"{field}: Extra inputs are not permitted (unknown field; this server runs "
             f"with --reject-unknown-fields)",
             f"body.{field}",
         )
-    warn_ignored_fields(request.url.path, names)
+    if unknown or ignored:
+        warn_ignored_fields(request.url.path, [*unknown, *ignored])
+
+
+class UnknownFieldsRoute(APIRoute):
+    """A route whose request-model body (`RequestModel`) passes `check_unknown_fields`
+    before the endpoint runs: a dialect's router declares it once
+    (`APIRouter(route_class=UnknownFieldsRoute)`) instead of a call in every route.
+
+    The endpoint is wrapped with its signature kept (FastAPI reads the parameters and
+    their module through `__wrapped__`), so the body is validated, and refused, exactly
+    as before, and the policy runs on a valid body only, after the router's
+    dependencies, as the call at the top of each route did."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, _checking_unknown_fields(endpoint), **kwargs)
+
+
+def _checking_unknown_fields(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    # Including a router re-creates its routes with the same class and the already
+    # wrapped endpoint: wrapping again would check (and warn) twice.
+    if getattr(endpoint, "_checks_unknown_fields", False):
+        return endpoint
+    parameters = inspect.signature(endpoint, eval_str=True).parameters.values()
+    bodies = [p.name for p in parameters if _is_request_model(p.annotation)]
+    requests = [p.name for p in parameters if p.annotation is Request]
+    if not bodies:
+        return endpoint
+    if not requests or not inspect.iscoroutinefunction(endpoint):
+        raise TypeError(f"{endpoint.__qualname__}: a route with a request body must be an "
+                        "async def declaring `request: Request`")  # fmt: skip
+
+    @functools.wraps(endpoint)
+    async def checked(**values: Any) -> Any:  # FastAPI passes every parameter by name
+        for name in bodies:
+            check_unknown_fields(values[requests[0]], values[name].unknown_fields)
+        return await endpoint(**values)
+
+    checked._checks_unknown_fields = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _is_request_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, RequestModel)
 
 
 def warn_ignored_fields(

@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
+from hotswap.entrypoints.openai.params import UnknownFieldsRoute
 from hotswap.entrypoints.openai.serving import MergedStream, collect_final
 from hotswap.entrypoints.openai.streaming import SSE_DONE, SSEResponse, sse_error
 from hotswap.entrypoints.server.errors import bad_request
@@ -41,7 +42,7 @@ from hotswap.entrypoints.sglang.render import ItemState, fill_missing_labels, jo
 from hotswap.entrypoints.sglang.request import plan_jobs
 from hotswap.errors import InvalidArgument
 
-sglang_generate_router = APIRouter()
+sglang_generate_router = APIRouter(route_class=UnknownFieldsRoute)  # as on the OpenAI routes
 
 
 @sglang_generate_router.api_route("/generate", methods=["POST", "PUT"])

@@ -17,7 +17,6 @@ from hotswap.entrypoints.openai.params import (
     adapter_request,
     check_unknown_fields,
     prepare_prompt,
-    warn_ignored_fields,
 )
 from hotswap.entrypoints.server.default_only import absent, check_default_only, short_repr
 from hotswap.entrypoints.server.errors import APIError, bad_request
@@ -47,7 +46,6 @@ async def plan_jobs(
     request: Request, body: GenerateRequest, engine: AsyncLLM
 ) -> tuple[list[Job], int, bool]:
     """(one job per prompt, samples per prompt n, whether the request is a single prompt)."""
-    check_unknown_fields(request, body)
     check_default_only(DEFAULT_ONLY, body)
     inputs, single = _inputs(body)
     samplings = _samplings(request, body.sampling_params, len(inputs))
@@ -136,7 +134,9 @@ def _samplings(request: Request, value: Any, count: int) -> list[tuple[SGLangSam
         if not absent(fields.custom_params):
             ignored.append(f"{_label(prefix)}.custom_params")
         parsed.append((fields, prefix))
-    _unknown_sampling_fields(request, unknown, ignored)
+    # custom_params is only warned about: stock SGLang ignores it as well unless a custom
+    # logit processor (refused here) reads it
+    check_unknown_fields(request, unknown, ignored)
     return parsed * count if len(parsed) == 1 else parsed
 
 
@@ -145,21 +145,6 @@ def _validation_error(error: ValidationError, prefix: str) -> APIError:
     loc = first.get("loc") or ("",)
     name = printable_field(str(loc[0]))  # the field; union members add their own tags
     return bad_request(f"{_label(prefix)}.{name}: {first.get('msg')}", f"{prefix}.{name}")
-
-
-def _unknown_sampling_fields(request: Request, unknown: list[str], ignored: list[str]) -> None:
-    """As `check_unknown_fields` for the nested sampling_params: warn, or refuse under
-    --reject-unknown-fields. custom_params is always only warned about: stock SGLang
-    ignores it as well unless a custom logit processor (refused here) reads it."""
-    if unknown and get_server_config(request).reject_unknown_fields:
-        field = printable_field(unknown[0])
-        raise bad_request(
-            f"{field}: Extra inputs are not permitted (unknown field; this server runs "
-            f"with --reject-unknown-fields)",
-            f"body.{field}",
-        )
-    if unknown or ignored:
-        warn_ignored_fields(request.url.path, unknown + ignored)
 
 
 def _common_n(samplings: list[tuple[SGLangSampling, str]]) -> int:
