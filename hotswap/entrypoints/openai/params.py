@@ -142,8 +142,9 @@ class UnknownFieldsRoute(APIRoute):
 
 
 def _checking_unknown_fields(endpoint: Callable[..., Any]) -> Callable[..., Any]:
-    # Including a router re-creates its routes with the same class and the already
-    # wrapped endpoint: wrapping again would check (and warn) twice.
+    # FastAPI's include_router has re-created a router's routes with their class and the
+    # already wrapped endpoint (hotswap accepts fastapi >= 0.110): wrapping again would
+    # check, and warn, twice.
     if getattr(endpoint, "_checks_unknown_fields", False):
         return endpoint
     parameters = inspect.signature(endpoint, eval_str=True).parameters.values()
