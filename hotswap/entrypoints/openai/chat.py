@@ -64,7 +64,7 @@ from hotswap.entrypoints.openai.streaming import (
     sse,
     sse_error,
 )
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.server.state import ServerConfig, get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
@@ -145,10 +145,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:
     if body.top_logprobs and not body.logprobs:
-        raise APIError(400, "top_logprobs: requires logprobs to be true", "body.top_logprobs")
+        raise bad_request("top_logprobs: requires logprobs to be true", "body.top_logprobs")
     if body.continue_final_message and body.add_generation_prompt:
-        raise APIError(
-            400,
+        raise bad_request(
             "continue_final_message: cannot be combined with add_generation_prompt=true",
             "body.continue_final_message",
         )
@@ -198,9 +197,9 @@ def apply_template(
             **(template_kwargs or {}),
         )
     except Exception as e:  # jinja errors, raise_exception() in the template, bad kwargs
-        raise APIError(400, f"messages: chat template failed: {e}", "body.messages") from None
+        raise bad_request(f"messages: chat template failed: {e}", "body.messages") from None
     if not isinstance(text, str):
-        raise APIError(400, "messages: the chat template did not render text", "body.messages")
+        raise bad_request("messages: the chat template did not render text", "body.messages")
     return text
 
 

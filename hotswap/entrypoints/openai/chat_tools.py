@@ -30,7 +30,7 @@ from hotswap.entrypoints.openai.parsers import (
     make_tool_call_id,
 )
 from hotswap.entrypoints.openai.protocol import ChatCompletionRequest
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.state import ServerConfig
 from hotswap.sampling_params import StructuredOutputsParams
 
@@ -41,35 +41,33 @@ def check_tool_request(body: ChatCompletionRequest, config: ServerConfig) -> Non
     """vLLM's checks, 400 naming the field; sets tool_choice's default ("auto" with
     tools, else "none")."""
     if body.tools is not None and not body.tools:
-        raise APIError(400, "tools: must not be an empty array", "body.tools")
+        raise bad_request("tools: must not be an empty array", "body.tools")
     for i, tool in enumerate(body.tools or ()):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise APIError(
-                400, f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ...}}}}",
+            raise bad_request(
+                f"tools[{i}]: must be {{'type': 'function', 'function': {{'name': ...}}}}",
                 f"body.tools.{i}.function",
-            )  # fmt: skip
+            )
     if body.tool_choice is None:
         body.tool_choice = "auto" if body.tools else "none"
     choice = body.tool_choice
     if choice == "none":
         return
     if not body.tools:
-        raise APIError(
-            400, "tool_choice: when using `tool_choice`, `tools` must be set", "body.tool_choice"
+        raise bad_request(
+            "tool_choice: when using `tool_choice`, `tools` must be set", "body.tool_choice"
         )
     if isinstance(choice, dict):
         _check_named_choice(choice, body.tools)
     elif choice not in ("auto", "required"):
-        raise APIError(
-            400,
+        raise bad_request(
             f'tool_choice: invalid value {choice!r}; only named tools, "none", "auto" or '
             '"required" are supported',
             "body.tool_choice",
         )
     elif choice == "auto" and not (config.enable_auto_tool_choice and config.tool_call_parser):
-        raise APIError(
-            400,
+        raise bad_request(
             'tool_choice: "auto" tool choice requires --enable-auto-tool-choice and '
             "--tool-call-parser to be set",
             "body.tool_choice",
@@ -79,19 +77,18 @@ def check_tool_request(body: ChatCompletionRequest, config: ServerConfig) -> Non
 def _check_named_choice(choice: dict[str, Any], tools: list[dict[str, Any]]) -> None:
     function = choice.get("function")
     if not isinstance(function, dict):
-        raise APIError(
-            400, f"tool_choice.function: must be an object. {CORRECT_USAGE}",
+        raise bad_request(
+            f"tool_choice.function: must be an object. {CORRECT_USAGE}",
             "body.tool_choice.function",
-        )  # fmt: skip
+        )
     name = function.get("name")
     if not isinstance(name, str) or not name:
-        raise APIError(
-            400, f"tool_choice.function.name: must be a non-empty string. {CORRECT_USAGE}",
+        raise bad_request(
+            f"tool_choice.function.name: must be a non-empty string. {CORRECT_USAGE}",
             "body.tool_choice.function.name",
-        )  # fmt: skip
+        )
     if name not in {t["function"]["name"] for t in tools}:
-        raise APIError(
-            400,
+        raise bad_request(
             "tool_choice: the tool specified in `tool_choice` does not match any of the "
             "specified `tools`",
             "body.tool_choice",

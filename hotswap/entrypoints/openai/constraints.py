@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hotswap.entrypoints.openai.protocol import SamplingRequest, StructuredOutputsRequest
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import bad_request
 from hotswap.errors import InvalidArgument
 from hotswap.sampling_params import StructuredOutputsParams
 from hotswap.structured_output import check_grammar
@@ -39,8 +39,7 @@ def parse_logit_bias(
         try:
             token = int(key)
         except ValueError:
-            raise APIError(
-                400,
+            raise bad_request(
                 f"logit_bias: found token_id {key!r} that is not an integer or a string "
                 "representing an integer",
                 param,
@@ -59,7 +58,7 @@ def structured_outputs_of(body: SamplingRequest) -> StructuredOutputsParams | No
     try:
         check_grammar(params)
     except InvalidArgument as e:
-        raise APIError(400, str(e), field) from None
+        raise bad_request(str(e), field) from None
     return params
 
 
@@ -75,15 +74,13 @@ def _from_response_format(body: SamplingRequest) -> tuple[StructuredOutputsParam
     if response_format.type == "json_schema":
         schema = response_format.json_schema
         if schema is None:
-            raise APIError(
-                400,
+            raise bad_request(
                 "response_format: when type is 'json_schema', the 'json_schema' field must "
                 "be provided",
                 field,
             )
         return _build({"json": schema.json_schema or {}, **options}, field), field
-    raise APIError(
-        400,
+    raise bad_request(
         f"response_format: type {response_format.type!r} is not supported (text, "
         "json_object, json_schema)",
         f"{field}.type",
@@ -96,8 +93,7 @@ def _from_structured_outputs(body: SamplingRequest) -> tuple[StructuredOutputsPa
         return None
     for name in ("structural_tag", "whitespace_pattern"):  # llguidance has no such input
         if getattr(request, name) is not None:
-            raise APIError(
-                400,
+            raise bad_request(
                 f"structured_outputs.{name}: not supported by hotswap",
                 f"body.structured_outputs.{name}",
             )
@@ -134,4 +130,4 @@ def _build(fields: dict[str, Any], field: str) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**fields)
     except ValueError as e:
-        raise APIError(400, str(e), field) from None
+        raise bad_request(str(e), field) from None

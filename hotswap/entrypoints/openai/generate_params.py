@@ -25,7 +25,8 @@ from hotswap.entrypoints.openai.generate_protocol import GenerateRequest, Genera
 from hotswap.entrypoints.openai.params import EnginePrompt, sampling_params
 from hotswap.entrypoints.openai.parsers import REASONING_PARSERS
 from hotswap.entrypoints.openai.protocol import SamplingRequest
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.default_only import DefaultOnly, Only, check_default_only
+from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.state import ServerConfig
 from hotswap.errors import InvalidArgument
 from hotswap.sampling_params import SamplingParams
@@ -35,15 +36,29 @@ SP = "body.sampling_params"
 MAX_CACHE_SALT_CHARS = 128
 CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
-# sampling_params fields hotswap cannot honour: accepted only while unset (None)
-_UNSET_ONLY: dict[str, str] = {
-    "prompt_logprob_token_ids": "scoring chosen token ids per prompt row",
-    "prompt_logprob_start": "scoring from a prompt row other than the first",
-    "logprob_token_ids": "logprobs of chosen token ids",
-    "thinking_token_budget": "a thinking token budget",
-    "repetition_detection": "repetition detection",
-    "trace_decode_token_ids": "forcing a decode trace",
-}
+# The body's and sampling_params' fields hotswap cannot honour: accepted only while unset
+# (null; content_parts, a list by its type, empty too)
+_REFUSAL = "{name}: {why} is not supported by hotswap"
+BODY_DEFAULT_ONLY = DefaultOnly(
+    {
+        "features": Only(why="multimodal inputs"),
+        "content_parts": Only((None, []), "multimodal inputs"),
+        "kv_transfer_params": Only(why="KV transfer"),
+        "ec_transfer_params": Only(why="encoder-cache transfer"),
+    },
+    _REFUSAL,
+)
+SAMPLING_DEFAULT_ONLY = DefaultOnly(
+    {
+        "prompt_logprob_token_ids": Only(why="scoring chosen token ids per prompt row"),
+        "prompt_logprob_start": Only(why="scoring from a prompt row other than the first"),
+        "logprob_token_ids": Only(why="logprobs of chosen token ids"),
+        "thinking_token_budget": Only(why="a thinking token budget"),
+        "repetition_detection": Only(why="repetition detection"),
+        "trace_decode_token_ids": Only(why="forcing a decode trace"),
+    },
+    _REFUSAL,
+)
 # the fields copied as they are into the SamplingRequest that /v1/completions builds from
 _SHARED = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -56,47 +71,33 @@ _SHARED = (
 
 def check_unsupported_generate(body: GenerateRequest) -> None:
     """400 naming the first field whose value hotswap would otherwise have to ignore."""
-    unsupported = {
-        "features": (body.features is not None, "multimodal inputs"),
-        "content_parts": (bool(body.content_parts), "multimodal inputs"),
-        "kv_transfer_params": (body.kv_transfer_params is not None, "KV transfer"),
-        "ec_transfer_params": (body.ec_transfer_params is not None, "encoder-cache transfer"),
-    }
-    for name, (given, what) in unsupported.items():
-        if given:
-            raise APIError(400, f"{name}: {what} is not supported by hotswap", f"body.{name}")
+    check_default_only(BODY_DEFAULT_ONLY, body)
     _check_cache_salt(body.cache_salt)
     _check_sampling_fields(body.sampling_params)
     if body.output_mode != "tokens" and not body.sampling_params.detokenize:
-        raise APIError(
-            400,
+        raise bad_request(
             f"output_mode: {body.output_mode!r} requires sampling_params.detokenize to be true",
             "body.output_mode",
         )
 
 
 def _check_sampling_fields(sp: GenerateSamplingParams) -> None:
-    for name, what in _UNSET_ONLY.items():
-        if getattr(sp, name) is not None:
-            raise APIError(400, f"{name}: {what} is not supported by hotswap", f"{SP}.{name}")
+    check_default_only(SAMPLING_DEFAULT_ONLY, sp, SP)
     if sp.watermarking:
-        raise APIError(400, "watermarking: hotswap has no watermark", f"{SP}.watermarking")
+        raise bad_request("watermarking: hotswap has no watermark", f"{SP}.watermarking")
     if sp.extra_args:
-        raise APIError(
-            400,
+        raise bad_request(
             "extra_args: hotswap has no sampling plugins to read them",
             f"{SP}.extra_args",
         )
     so = sp.structured_outputs
     if so is not None and so.whitespace_pattern is not None:
-        raise APIError(
-            400,
+        raise bad_request(
             "whitespace_pattern: not supported by hotswap (disable_any_whitespace is)",
             f"{SP}.structured_outputs.whitespace_pattern",
         )
     if sp.stop and not sp.detokenize:  # vLLM's SamplingParams refuses this too
-        raise APIError(
-            400,
+        raise bad_request(
             "stop: stop strings are only supported when detokenize is true",
             f"{SP}.stop",
         )
@@ -106,8 +107,7 @@ def _check_cache_salt(salt: str | None) -> None:
     if salt is not None and (
         len(salt) > MAX_CACHE_SALT_CHARS or any(c in CACHE_SALT_FORBIDDEN for c in salt)
     ):
-        raise APIError(
-            400,
+        raise bad_request(
             "cache_salt: must be at most 128 characters and must not contain '@', '/', "
             "'\\', or NUL",
             "body.cache_salt",
@@ -150,7 +150,7 @@ def prepare_generate_params(engine: AsyncLLM, params: SamplingParams) -> None:
         prepare_params(params, engine.tokenizer, engine.config.model.vocab_size)
     except InvalidArgument as e:
         param = f"{SP}.{e.field}" if e.field else SP
-        raise APIError(400, str(e), param) from None
+        raise bad_request(str(e), param) from None
 
 
 def generate_prompt(engine: AsyncLLM, body: GenerateRequest) -> EnginePrompt:
@@ -163,7 +163,7 @@ def generate_prompt(engine: AsyncLLM, body: GenerateRequest) -> EnginePrompt:
         check_prompt(ids, config.model.vocab_size, config.scheduler.max_model_len)
     except ValueError as e:
         detail = str(e).split(": ", 1)[-1]
-        raise APIError(400, f"token_ids: {detail}", "body.token_ids") from None
+        raise bad_request(f"token_ids: {detail}", "body.token_ids") from None
     prompt = EnginePrompt(None, ids, body.cache_salt)
     if body.sampling_params.skip_reading_prefix_cache:
         prompt.cache_salt = f"{body.cache_salt or ''}#skip-{uuid.uuid4().hex}"

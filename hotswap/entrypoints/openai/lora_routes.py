@@ -19,16 +19,16 @@ import logging
 
 from fastapi import APIRouter, Request, Response
 
-from hotswap.entrypoints.openai.params import check_unknown_fields, served_model_name
+from hotswap.entrypoints.openai.params import UnknownFieldsRoute, served_model_name
 from hotswap.entrypoints.openai.protocol import RequestModel
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids
 from hotswap.errors import InvalidArgument
 from hotswap.lora.modules import load_adapter, not_found
 
 logger = logging.getLogger(__name__)
 
-lora_router = APIRouter()
+lora_router = APIRouter(route_class=UnknownFieldsRoute)  # unknown fields: warned or refused
 
 
 class LoadLoRAAdapterRequest(RequestModel):
@@ -52,18 +52,19 @@ class UnloadLoRAAdapterRequest(RequestModel):
 def refusal(error: InvalidArgument) -> APIError:
     """An engine refusal as the envelope: 400 naming the field (`body.lora_name`,
     `body.lora_path`). A name not loaded is answered 404 before the engine is asked."""
-    return APIError(400, str(error), f"body.{error.field}" if error.field else None)
+    return bad_request(str(error), f"body.{error.field}" if error.field else None)
 
 
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> Response:
-    check_unknown_fields(request, body)
     if not body.lora_name or not body.lora_path:
         param = "body.lora_path" if body.lora_name else "body.lora_name"
-        raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.", param)
+        raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", param)
     if body.is_3d_lora_weight:
-        raise APIError(400, "is_3d_lora_weight: 3D (fused MoE) LoRA weights are not "
-                       "supported by hotswap", "body.is_3d_lora_weight")  # fmt: skip
+        raise bad_request(
+            "is_3d_lora_weight: 3D (fused MoE) LoRA weights are not supported by hotswap",
+            "body.is_3d_lora_weight",
+        )
     name, path = body.lora_name, body.lora_path
     try:
         await load_adapter(get_engine(request), served_model_name(request), name, path,
@@ -77,11 +78,11 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
 
 @lora_router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
-    check_unknown_fields(request, body)
     name = body.lora_name
     if not name:
-        raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
-                       "body.lora_name")  # fmt: skip
+        raise bad_request(
+            "'lora_name' needs to be provided to unload a LoRA adapter.", "body.lora_name"
+        )
     engine = get_engine(request)
     if name not in engine.loaded_adapters:
         raise APIError(404, not_found(name), "body.lora_name")

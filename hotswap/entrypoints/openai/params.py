@@ -3,13 +3,16 @@ unsupported parameters, `SamplingParams` and prompt (length) checks."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from fastapi.routing import APIRoute
 
 from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import check_prompt, encode_prompt
@@ -20,7 +23,8 @@ from hotswap.entrypoints.openai.protocol import (
     RequestModel,
     SamplingRequest,
 )
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.default_only import DefaultOnly, Only, check_default_only
+from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import WarningThrottle, check_prompt_chars, printable_field
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids, get_server_config
 from hotswap.errors import InvalidArgument
@@ -38,13 +42,16 @@ MAX_FIELDS_NAMED = 10  # in one warning; a body can hold thousands of keys
 # warnings held back is reported with the next one logged.
 _ignored_fields_throttle = WarningThrottle(interval_s=60.0, max_per_interval=20)
 
-# field -> the values accepted (hotswap does not implement anything else)
-# (beam search is not implemented; vLLM refuses a suffix too)
-_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
-    "length_penalty": (None, 1),
-    "use_beam_search": (False,),
-    "suffix": (None, ""),
-}
+# Accepted at their defaults alone: beam search is not implemented; vLLM refuses a
+# suffix too.
+DEFAULT_ONLY = DefaultOnly(
+    {
+        "length_penalty": Only((None, 1)),
+        "use_beam_search": Only((False,)),
+        "suffix": Only((None, "")),
+    },
+    "{name}: {value!r} is not supported by hotswap (allowed: {allowed})",
+)
 
 
 @dataclass
@@ -98,23 +105,69 @@ def base_request_id(request: Request, body_id: str | None, prefix: str) -> str:
     return header or body_id or f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_unknown_fields(request: Request, body: RequestModel) -> None:
-    """Fields of the request that no parameter declares (nested ones too, as
-    `stream_options.foo`): ignored with a (throttled) warning, as vLLM does, or under
-    --reject-unknown-fields a 400 naming the first, `body.<field>`, as before the flag.
-    Messages are free-form objects handed to the chat template whole, never refused."""
-    names = body.unknown_fields
-    if not names:
-        return
-    if get_server_config(request).reject_unknown_fields:
-        field = printable_field(names[0])
-        raise APIError(
-            400,
+def check_unknown_fields(
+    request: Request, unknown: Sequence[str], ignored: Sequence[str] = ()
+) -> None:
+    """The policy for a request's fields that no parameter declares (`unknown`, nested
+    ones as `stream_options.foo`): ignored with a (throttled) warning, as vLLM does, or
+    under --reject-unknown-fields a 400 naming the first, `body.<field>`, as before the
+    flag. `ignored`: fields known but ignored (SGLang's custom_params), only ever warned
+    about, in the same warning. Messages are free-form objects handed to the chat
+    template whole, never refused. A route with a request-model body gets this from its
+    router (`UnknownFieldsRoute`); nested bodies checked in code (SGLang's per-prompt
+    sampling_params) call it themselves."""
+    if unknown and get_server_config(request).reject_unknown_fields:
+        field = printable_field(unknown[0])
+        raise bad_request(
             f"{field}: Extra inputs are not permitted (unknown field; this server runs "
             f"with --reject-unknown-fields)",
             f"body.{field}",
         )
-    warn_ignored_fields(request.url.path, names)
+    if unknown or ignored:
+        warn_ignored_fields(request.url.path, [*unknown, *ignored])
+
+
+class UnknownFieldsRoute(APIRoute):
+    """A route whose request-model body (`RequestModel`) passes `check_unknown_fields`
+    before the endpoint runs: a dialect's router declares it once
+    (`APIRouter(route_class=UnknownFieldsRoute)`) instead of a call in every route.
+
+    The endpoint is wrapped with its signature kept (FastAPI reads the parameters and
+    their module through `__wrapped__`), so the body is validated, and refused, exactly
+    as before, and the policy runs on a valid body only, after the router's
+    dependencies, as the call at the top of each route did."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, _checking_unknown_fields(endpoint), **kwargs)
+
+
+def _checking_unknown_fields(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    # FastAPI's include_router has re-created a router's routes with their class and the
+    # already wrapped endpoint (hotswap accepts fastapi >= 0.110): wrapping again would
+    # check, and warn, twice.
+    if getattr(endpoint, "_checks_unknown_fields", False):
+        return endpoint
+    parameters = inspect.signature(endpoint, eval_str=True).parameters.values()
+    bodies = [p.name for p in parameters if _is_request_model(p.annotation)]
+    requests = [p.name for p in parameters if p.annotation is Request]
+    if not bodies:
+        return endpoint
+    if not requests or not inspect.iscoroutinefunction(endpoint):
+        raise TypeError(f"{endpoint.__qualname__}: a route with a request body must be an "
+                        "async def declaring `request: Request`")  # fmt: skip
+
+    @functools.wraps(endpoint)
+    async def checked(**values: Any) -> Any:  # FastAPI passes every parameter by name
+        for name in bodies:
+            check_unknown_fields(values[requests[0]], values[name].unknown_fields)
+        return await endpoint(**values)
+
+    checked._checks_unknown_fields = True  # type: ignore[attr-defined]
+    return checked
+
+
+def _is_request_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, RequestModel)
 
 
 def warn_ignored_fields(
@@ -149,26 +202,12 @@ def warn_ignored_fields(
 
 def check_unsupported(body: SamplingRequest) -> None:
     """400 for any parameter that hotswap would otherwise have to ignore."""
-    for name, accepted in _DEFAULT_ONLY.items():
-        value = getattr(body, name, None)
-        if not any(_same(value, ok) for ok in accepted):
-            raise APIError(
-                400,
-                f"{name}: {value!r} is not supported by hotswap (allowed: "
-                f"{', '.join(repr(v) for v in accepted)})",
-                f"body.{name}",
-            )
+    check_default_only(DEFAULT_ONLY, body)
     best_of = getattr(body, "best_of", None)
     if best_of is not None and best_of != body.n:
-        raise APIError(400, f"best_of: must equal n ({body.n}) if given", "body.best_of")
+        raise bad_request(f"best_of: must equal n ({body.n}) if given", "body.best_of")
     if body.stream_options is not None and not body.stream:
-        raise APIError(
-            400, "stream_options: only allowed when stream is true", "body.stream_options"
-        )
-
-
-def _same(value: Any, accepted: Any) -> bool:
-    return isinstance(value, bool) == isinstance(accepted, bool) and value == accepted
+        raise bad_request("stream_options: only allowed when stream is true", "body.stream_options")
 
 
 def apply_server_flags(request: Request, body: SamplingRequest) -> None:
@@ -244,8 +283,7 @@ def routed_experts_start(body: SamplingRequest) -> int:
     if body.routed_experts_prompt_start or not body.return_routed_experts:
         return body.routed_experts_prompt_start
     if body.routed_experts_start_len < 0:
-        raise APIError(
-            400,
+        raise bad_request(
             f"routed_experts_start_len: {body.routed_experts_start_len} is lower than 0; use "
             "a non-negative routed_experts_start_len",
             "body.routed_experts_start_len",
@@ -258,7 +296,7 @@ def _field_error(error: InvalidArgument, body: SamplingRequest) -> APIError:
     if field == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
         message = message.replace(field, "max_completion_tokens", 1)
         field = "max_completion_tokens"
-    return APIError(400, message, f"body.{field}" if field else None)
+    return bad_request(message, f"body.{field}" if field else None)
 
 
 def completion_max_tokens(body: CompletionRequest | ChatCompletionRequest) -> int | None:
@@ -292,7 +330,7 @@ def prepare_prompt(
     try:
         check_prompt(ids, engine.config.model.vocab_size, engine.config.scheduler.max_model_len)
     except ValueError as e:
-        raise APIError(400, str(e), param) from None
+        raise bad_request(str(e), param) from None
     return EnginePrompt(text, ids)
 
 
@@ -303,8 +341,7 @@ def check_context_length(
     limit = engine.config.scheduler.max_model_len
     num = len(prompt.token_ids)
     if max_tokens is not None and num + max_tokens > limit:
-        raise APIError(
-            400,
+        raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{num + max_tokens} tokens ({num} in the messages, {max_tokens} in the "
             f"completion). Please reduce the length of the messages or completion.",

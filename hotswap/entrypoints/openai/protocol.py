@@ -2,8 +2,9 @@
 
 Unknown fields are ignored with a logged warning, as vLLM does (RL clients send fields
 they do not need answered), or refused with 400 naming the field under
-`--reject-unknown-fields` (`params.check_unknown_fields`). OpenAI / vLLM parameters that
-hotswap does not implement are declared so that their default value is accepted, and
+`--reject-unknown-fields` (`params.check_unknown_fields`, which each router's
+`params.UnknownFieldsRoute` runs). OpenAI / vLLM parameters that hotswap does not implement
+are declared so that their default value is accepted (`params.DEFAULT_ONLY`), and
 `params.check_unsupported` rejects anything else: a known parameter is never silently
 ignored. Value checks that `SamplingParams` already makes (temperature >= 0, ...) are left
 to it.
@@ -45,8 +46,8 @@ class RequestModel(CheckedModel):
     (--reject-unknown-fields) is a server flag, but pydantic's `extra` is fixed when the
     class is built. So there is one model for both: validation ignores unknown keys
     (extra="ignore": they are never stored, checked or passed on) and records their names
-    in `unknown_fields`, nested models' under their field (`stream_options.foo`); the route
-    then warns or refuses (`params.check_unknown_fields`). Two model variants per request
+    in `unknown_fields`, nested models' under their field (`stream_options.foo`); the route's
+    class then warns or refuses (`params.UnknownFieldsRoute`). Two model variants per request
     would double every class and make each route pick one per request; validating with
     extra="allow" would keep the unknown values in the model and its dumps."""
 

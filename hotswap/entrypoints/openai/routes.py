@@ -8,7 +8,7 @@ from hotswap.entrypoints.openai.chat import create_chat_completion
 from hotswap.entrypoints.openai.completions import create_completion
 from hotswap.entrypoints.openai.generate_protocol import GenerateRequest
 from hotswap.entrypoints.openai.generate_tokens import create_generate
-from hotswap.entrypoints.openai.params import check_unknown_fields
+from hotswap.entrypoints.openai.params import UnknownFieldsRoute
 from hotswap.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -18,7 +18,7 @@ from hotswap.entrypoints.openai.protocol import (
 from hotswap.entrypoints.openai.responses import DetokenizeResponse, ModelList, TokenizeResponse
 from hotswap.entrypoints.openai.tokenization import detokenize, list_models, tokenize
 
-openai_router = APIRouter()
+openai_router = APIRouter(route_class=UnknownFieldsRoute)  # unknown fields: warned or refused
 
 
 @openai_router.get("/v1/models")
@@ -28,30 +28,25 @@ async def models(request: Request) -> ModelList:
 
 @openai_router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    check_unknown_fields(request, body)
     return await create_completion(body, request)
 
 
 @openai_router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    check_unknown_fields(request, body)
     return await create_chat_completion(body, request)
 
 
 @openai_router.post("/tokenize")
 async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
-    check_unknown_fields(request, body)
     return await tokenize(body, request)
 
 
 @openai_router.post("/detokenize")
 async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
-    check_unknown_fields(request, body)
     return await detokenize(body, request)
 
 
 @openai_router.post("/inference/v1/generate")
 async def generate_tokens(body: GenerateRequest, request: Request) -> Response:
     """vLLM 0.32's token-in/token-out route (generate_tokens)."""
-    check_unknown_fields(request, body)
     return await create_generate(body, request)

@@ -18,7 +18,7 @@ from hotswap.entrypoints.openai.responses import (
     UsageInfo,
     WeightVersionSpanInfo,
 )
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import bad_request
 from hotswap.outputs import Logprob, PromptLogprobs, RequestOutput, WeightVersionSpan
 from hotswap.sampling_params import SamplingParams
 
@@ -111,7 +111,7 @@ async def collect_final(request: Request, stream: MergedStream) -> list[RequestO
                 return task.result()
             if await request.is_disconnected():
                 logger.info("client disconnected: aborting %s", request.url.path)
-                raise APIError(400, "client disconnected")
+                raise bad_request("client disconnected")
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -16,7 +16,7 @@ from hotswap.entrypoints.openai.responses import (
     ModelList,
     TokenizeResponse,
 )
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.server.state import get_engine
 
@@ -42,7 +42,7 @@ def list_models(request: Request) -> ModelList:
 async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     check_model(request, body.model)
     if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "prompt: give exactly one of 'prompt' or 'messages'", "body.prompt")
+        raise bad_request("prompt: give exactly one of 'prompt' or 'messages'", "body.prompt")
     check_request_chat_template(request, body.chat_template, "body.chat_template")
     return await off_loop(_tokenize, body, get_engine(request))
 
@@ -78,8 +78,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     vocab = engine.config.model.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
-        raise APIError(
-            400,
+        raise bad_request(
             f"tokens: token id {bad} is outside the vocabulary (integers 0..{vocab - 1})",
             "body.tokens",
         )

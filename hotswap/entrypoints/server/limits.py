@@ -18,7 +18,7 @@ from fastapi import HTTPException, Request
 from pydantic import BaseModel, field_validator
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hotswap.entrypoints.server.errors import APIError, error_response
+from hotswap.entrypoints.server.errors import bad_request, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def check_json(value: Any, path: str = "body") -> None:
     problem = json_problem(value, path)
     if problem is not None:
         param, message = problem
-        raise APIError(400, message, param)
+        raise bad_request(message, param)
 
 
 def printable_field(name: str, limit: int = 80) -> str:
@@ -237,8 +237,7 @@ def check_request_chat_template(request: Request, template: str | None, param: s
     """A chat template in a request is code run by the server (a loop in it stalls a
     worker as long as it likes): refused unless the server trusts its callers."""
     if template is not None and not request.app.state.server_config.trust_request_chat_template:
-        raise APIError(
-            400,
+        raise bad_request(
             "chat_template: request-supplied chat templates are refused; start the server "
             "with --trust-request-chat-template to allow them",
             param,
@@ -277,8 +276,7 @@ def check_prompt_chars(engine: Any, text: str, truncate: int | None, param: str)
     limit = engine.config.scheduler.max_model_len
     bound = limit * max_token_chars(engine.tokenizer) * CHARS_PER_TOKEN_MARGIN
     if len(text) > bound:
-        raise APIError(
-            400,
+        raise bad_request(
             f"prompt: {len(text)} characters cannot fit in this model's maximum context "
             f"length of {limit} tokens",
             param,

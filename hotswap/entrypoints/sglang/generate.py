@@ -32,16 +32,17 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 from hotswap.engine.async_llm import AsyncLLM
+from hotswap.entrypoints.openai.params import UnknownFieldsRoute
 from hotswap.entrypoints.openai.serving import MergedStream, collect_final
 from hotswap.entrypoints.openai.streaming import SSE_DONE, SSEResponse, sse_error
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.state import get_engine
 from hotswap.entrypoints.sglang.protocol import GenerateRequest
 from hotswap.entrypoints.sglang.render import ItemState, fill_missing_labels, job_stream
 from hotswap.entrypoints.sglang.request import plan_jobs
 from hotswap.errors import InvalidArgument
 
-sglang_generate_router = APIRouter()
+sglang_generate_router = APIRouter(route_class=UnknownFieldsRoute)  # as on the OpenAI routes
 
 
 @sglang_generate_router.api_route("/generate", methods=["POST", "PUT"])
@@ -55,7 +56,7 @@ async def generate(body: GenerateRequest, request: Request) -> Response:
     except InvalidArgument as e:
         if e.field != "request_id":
             raise
-        raise APIError(400, f"rid: {str(e).split(': ', 1)[1]}", "body.rid") from None
+        raise bad_request(f"rid: {str(e).split(': ', 1)[1]}", "body.rid") from None
     # SGLang's items: prompt by prompt, n samples each (n > 1 is one engine request).
     items = [
         ItemState(job, job.request_id, started, engine.tokenizer) for job in jobs for _ in range(n)

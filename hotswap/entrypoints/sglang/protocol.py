@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationInfo, field_validator
 
 from hotswap.entrypoints.openai.protocol import Int64, NonNegInt64, RequestModel
+from hotswap.entrypoints.server.default_only import DefaultOnly, Only, absent
 from hotswap.entrypoints.server.limits import MAX_FLOAT, json_problem
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, when the field is absent (null: up to the context)
@@ -114,23 +115,35 @@ class GenerateRequest(RequestModel):
         return value
 
 
-DEFAULT_ONLY = [
-    "input_embeds",
-    "image_data",
-    "video_data",
-    "audio_data",
-    "custom_logit_processor",
-    "token_ids_logprob",
-    "session_params",
-    "return_hidden_states",
-    "return_entropy",
-    "return_sampling_mask",
-    "return_flat_raw_top_logprobs",
-    "extra_key",
-    "bootstrap_host",
-    "bootstrap_room",
-]
-SAMPLING_DEFAULT_ONLY = [
-    "stop_regex",
-    "structural_tag",
-]
+# Accepted at their defaults alone (absent, null, false or empty), the body's and each
+# sampling_params'
+_REFUSAL = (
+    "{field}: {short} is not supported by hotswap (only an absent, null, false or empty "
+    "value is accepted)"
+)
+DEFAULT_ONLY = DefaultOnly(
+    dict.fromkeys(
+        [
+            "input_embeds",
+            "image_data",
+            "video_data",
+            "audio_data",
+            "custom_logit_processor",
+            "token_ids_logprob",
+            "session_params",
+            "return_hidden_states",
+            "return_entropy",
+            "return_sampling_mask",
+            "return_flat_raw_top_logprobs",
+            "extra_key",
+            "bootstrap_host",
+            "bootstrap_room",
+        ],
+        Only(),
+    ),
+    _REFUSAL,
+    absent,
+)
+SAMPLING_DEFAULT_ONLY = DefaultOnly(
+    dict.fromkeys(["stop_regex", "structural_tag"], Only()), _REFUSAL, absent
+)

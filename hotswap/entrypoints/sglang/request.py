@@ -17,10 +17,9 @@ from hotswap.entrypoints.openai.params import (
     adapter_request,
     check_unknown_fields,
     prepare_prompt,
-    warn_ignored_fields,
 )
-from hotswap.entrypoints.openai.protocol import RequestModel
-from hotswap.entrypoints.server.errors import APIError
+from hotswap.entrypoints.server.default_only import absent, check_default_only, short_repr
+from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import off_loop, printable_field
 from hotswap.entrypoints.server.state import get_server_config
 from hotswap.entrypoints.sglang.protocol import (
@@ -47,8 +46,7 @@ async def plan_jobs(
     request: Request, body: GenerateRequest, engine: AsyncLLM
 ) -> tuple[list[Job], int, bool]:
     """(one job per prompt, samples per prompt n, whether the request is a single prompt)."""
-    check_unknown_fields(request, body)
-    _check_default_only(body, DEFAULT_ONLY, "body")
+    check_default_only(DEFAULT_ONLY, body)
     inputs, single = _inputs(body)
     samplings = _samplings(request, body.sampling_params, len(inputs))
     n = _common_n(samplings)
@@ -73,62 +71,34 @@ async def plan_jobs(
     return jobs, n, single
 
 
-def _check_default_only(model: RequestModel, names: list[str], prefix: str) -> None:
-    """A field hotswap cannot honour is refused unless absent: never silently ignored."""
-    for name in names:
-        value = getattr(model, name)
-        if not _absent(value):
-            field = f"{_label(prefix)}.{name}".lstrip(".")
-            raise APIError(
-                400,
-                f"{field}: {_short(value)} is not supported by hotswap (only an absent, null, "
-                f"false or empty value is accepted)",
-                f"{prefix}.{name}",
-            )
-
-
 def _label(param: str) -> str:
     """A param without its root, as messages name fields (`sampling_params.n`)."""
     return param.removeprefix("body").lstrip(".")
 
 
-def _absent(value: Any) -> bool:
-    """null, false, or a container of such ([None, None]: a batch without images)."""
-    if value is None or value is False:
-        return True
-    if isinstance(value, (list, dict)):
-        return all(_absent(v) for v in (value.values() if isinstance(value, dict) else value))
-    return False
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _inputs(body: GenerateRequest) -> tuple[list[tuple[str | list[int], str]], bool]:
     """[(prompt, its param)], and whether the request is a single prompt."""
     if (body.text is None) == (body.input_ids is None):
-        raise APIError(400, "text: give exactly one of 'text' or 'input_ids'", "body.text")
+        raise bad_request("text: give exactly one of 'text' or 'input_ids'", "body.text")
     if body.text is not None:
         if isinstance(body.text, str):
             return [(body.text, "body.text")], True
         if not isinstance(body.text, list) or not body.text:
-            raise APIError(400, "text: must be a string or a non-empty list", "body.text")
+            raise bad_request("text: must be a string or a non-empty list", "body.text")
         for i, text in enumerate(body.text):
             if not isinstance(text, str):
-                raise APIError(400, f"text[{i}]: must be a string", f"body.text[{i}]")
+                raise bad_request(f"text[{i}]: must be a string", f"body.text[{i}]")
         return [(text, f"body.text[{i}]") for i, text in enumerate(body.text)], False
     ids = body.input_ids
     if not isinstance(ids, list) or not ids:
-        raise APIError(400, "input_ids: must be a non-empty list", "body.input_ids")
+        raise bad_request("input_ids: must be a non-empty list", "body.input_ids")
     if not isinstance(ids[0], list):  # as SGLang: the first element decides
         _check_ids(ids, "input_ids")
         return [(ids, "body.input_ids")], True
     for i, prompt in enumerate(ids):
         if not isinstance(prompt, list):
-            raise APIError(
-                400, f"input_ids[{i}]: must be a list of token ids", f"body.input_ids[{i}]"
+            raise bad_request(
+                f"input_ids[{i}]: must be a list of token ids", f"body.input_ids[{i}]"
             )
         _check_ids(prompt, f"input_ids[{i}]")
     return [(prompt, f"body.input_ids[{i}]") for i, prompt in enumerate(ids)], False
@@ -137,7 +107,7 @@ def _inputs(body: GenerateRequest) -> tuple[list[tuple[str | list[int], str]], b
 def _check_ids(ids: list[Any], field: str) -> None:
     for j, token in enumerate(ids):
         if type(token) is not int:  # bool and float are not token ids
-            raise APIError(400, f"{field}[{j}]: must be an integer token id", f"body.{field}[{j}]")
+            raise bad_request(f"{field}[{j}]: must be an integer token id", f"body.{field}[{j}]")
 
 
 def _samplings(request: Request, value: Any, count: int) -> list[tuple[SGLangSampling, str]]:
@@ -147,25 +117,26 @@ def _samplings(request: Request, value: Any, count: int) -> list[tuple[SGLangSam
     elif isinstance(value, list) and len(value) == count:
         dicts, prefixes = value, [f"body.sampling_params[{i}]" for i in range(count)]
     else:
-        raise APIError(
-            400,
+        raise bad_request(
             f"sampling_params: must be an object or a list of {count} (one per prompt)",
             "body.sampling_params",
         )
     parsed, unknown, ignored = [], [], []
     for raw, prefix in zip(dicts, prefixes):
         if not isinstance(raw, dict):
-            raise APIError(400, f"{_label(prefix)}: must be an object", prefix)
+            raise bad_request(f"{_label(prefix)}: must be an object", prefix)
         try:
             fields = SGLangSampling.model_validate(raw)
         except ValidationError as e:
             raise _validation_error(e, prefix) from None
-        _check_default_only(fields, SAMPLING_DEFAULT_ONLY, prefix)
+        check_default_only(SAMPLING_DEFAULT_ONLY, fields, prefix)
         unknown += [f"{_label(prefix)}.{name}" for name in fields.unknown_fields]
-        if not _absent(fields.custom_params):
+        if not absent(fields.custom_params):
             ignored.append(f"{_label(prefix)}.custom_params")
         parsed.append((fields, prefix))
-    _unknown_sampling_fields(request, unknown, ignored)
+    # custom_params is only warned about: stock SGLang ignores it as well unless a custom
+    # logit processor (refused here) reads it
+    check_unknown_fields(request, unknown, ignored)
     return parsed * count if len(parsed) == 1 else parsed
 
 
@@ -173,30 +144,14 @@ def _validation_error(error: ValidationError, prefix: str) -> APIError:
     first = error.errors()[0]
     loc = first.get("loc") or ("",)
     name = printable_field(str(loc[0]))  # the field; union members add their own tags
-    return APIError(400, f"{_label(prefix)}.{name}: {first.get('msg')}", f"{prefix}.{name}")
-
-
-def _unknown_sampling_fields(request: Request, unknown: list[str], ignored: list[str]) -> None:
-    """As `check_unknown_fields` for the nested sampling_params: warn, or refuse under
-    --reject-unknown-fields. custom_params is always only warned about: stock SGLang
-    ignores it as well unless a custom logit processor (refused here) reads it."""
-    if unknown and get_server_config(request).reject_unknown_fields:
-        field = printable_field(unknown[0])
-        raise APIError(
-            400,
-            f"{field}: Extra inputs are not permitted (unknown field; this server runs "
-            f"with --reject-unknown-fields)",
-            f"body.{field}",
-        )
-    if unknown or ignored:
-        warn_ignored_fields(request.url.path, unknown + ignored)
+    return bad_request(f"{_label(prefix)}.{name}: {first.get('msg')}", f"{prefix}.{name}")
 
 
 def _common_n(samplings: list[tuple[SGLangSampling, str]]) -> int:
     ns = {fields.n or 1 for fields, _ in samplings}
     if len(ns) > 1:  # SGLang refuses it too: the list is expanded n times over
-        raise APIError(
-            400, "sampling_params.n: must be the same for every prompt", "body.sampling_params"
+        raise bad_request(
+            "sampling_params.n: must be the same for every prompt", "body.sampling_params"
         )
     return ns.pop()
 
@@ -213,11 +168,11 @@ def _rids(value: Any, count: int, single: bool) -> list[str]:
     elif isinstance(value, list) and len(value) == count and all(isinstance(r, str) for r in value):
         rids = value
     else:
-        raise APIError(400, f"rid: must be a string or a list of {count} strings", "body.rid")
+        raise bad_request(f"rid: must be a string or a list of {count} strings", "body.rid")
     if any(not 0 < len(r) <= MAX_RID_CHARS for r in rids):
-        raise APIError(400, f"rid: must be 1 to {MAX_RID_CHARS} characters", "body.rid")
+        raise bad_request(f"rid: must be 1 to {MAX_RID_CHARS} characters", "body.rid")
     if len(set(rids)) != len(rids):
-        raise APIError(400, "rid: duplicate request ids within the request", "body.rid")
+        raise bad_request("rid: duplicate request ids within the request", "body.rid")
     return rids
 
 
@@ -228,13 +183,13 @@ def _per_prompt(value: Any, count: int, name: str, ok: Any, default: Any) -> lis
         return [default] * count
     if isinstance(value, list):
         if len(value) != count:
-            raise APIError(400, f"{name}: a list must hold one value per prompt", f"body.{name}")
+            raise bad_request(f"{name}: a list must hold one value per prompt", f"body.{name}")
         params = [f"{name}[{i}]" for i in range(count)]
     else:
         value, params = [value] * count, [name] * count
     for item, param in zip(value, params):
         if not ok(item):
-            raise APIError(400, f"{param}: invalid value {_short(item)}", f"body.{param}")
+            raise bad_request(f"{param}: invalid value {short_repr(item)}", f"body.{param}")
     return [default if item is None else item for item in value]
 
 
@@ -248,8 +203,11 @@ def _loras(request: Request, value: Any, count: int) -> list[LoRARequest | None]
         lora = None if name is None else adapter_request(request, name)
         if name is not None and lora is None:
             field = f"lora_path[{i}]" if isinstance(value, list) else "lora_path"
-            raise APIError(400, f"{field}: no LoRA adapter named {_short(name)} is loaded "
-                           "(load it with /load_lora_adapter)", f"body.{field}")  # fmt: skip
+            raise bad_request(
+                f"{field}: no LoRA adapter named {short_repr(name)} is loaded "
+                "(load it with /load_lora_adapter)",
+                f"body.{field}",
+            )
         loras.append(lora)
     return loras
 
@@ -277,8 +235,7 @@ def _routed_experts(body: GenerateRequest, prompts: list[EnginePrompt]) -> list[
     found: list[int | None] = []
     for want, start, prompt in zip(wanted, starts, prompts):
         if want and not 0 <= start <= len(prompt.token_ids):
-            raise APIError(
-                400,
+            raise bad_request(
                 f"routed_experts_start_len: must be between 0 and the number of input "
                 f"tokens ({len(prompt.token_ids)}), got {start}",
                 "body.routed_experts_start_len",
@@ -299,15 +256,13 @@ def _logprob_specs(body: GenerateRequest, prompts: list[EnginePrompt]) -> list[L
             specs.append(None)
             continue
         if not 0 <= top <= MAX_LOGPROBS:
-            raise APIError(
-                400,
+            raise bad_request(
                 f"top_logprobs_num: must be in [0, {MAX_LOGPROBS}], got {top}",
                 "body.top_logprobs_num",
             )
         last = len(prompt.token_ids) - 1
         if not -1 <= start <= last:  # SGLang refuses a start past the prompt too
-            raise APIError(
-                400,
+            raise bad_request(
                 f"logprob_start_len: must be -1 or a prompt position (0 to {last}), got {start}",
                 "body.logprob_start_len",
             )
@@ -327,8 +282,7 @@ def _job(
     max_new = fields.max_new_tokens
     min_new = fields.min_new_tokens or 0
     if max_new is not None and min_new > max_new:
-        raise APIError(
-            400,
+        raise bad_request(
             f"{_label(prefix)}.min_new_tokens: ({min_new}) must not exceed "
             f"max_new_tokens ({max_new})",
             f"{prefix}.min_new_tokens",
@@ -369,7 +323,7 @@ def _job(
         name = SGLANG_NAMES.get(field, field)
         message = message.replace(field, name, 1) if field else message
         param = f"{prefix}.{name}" if name else prefix
-        raise APIError(400, f"{_label(prefix)}.{message}", param) from None
+        raise bad_request(f"{_label(prefix)}.{message}", param) from None
     return Job(prompt, params, rid, spec, max_new == 0, bool(fields.no_stop_trim))
 
 
@@ -386,8 +340,7 @@ def _constraint(fields: SGLangSampling, prefix: str) -> StructuredOutputsParams 
     if not given:
         return None
     if len(given) > 1:
-        raise APIError(
-            400,
+        raise bad_request(
             f"{_label(prefix)}: only one of json_schema, regex and ebnf may be given",
             prefix,
         )
@@ -396,5 +349,5 @@ def _constraint(fields: SGLangSampling, prefix: str) -> StructuredOutputsParams 
     try:
         check_grammar(params)
     except InvalidArgument as e:
-        raise APIError(400, f"{_label(prefix)}.{name}: {e}", f"{prefix}.{name}") from None
+        raise bad_request(f"{_label(prefix)}.{name}: {e}", f"{prefix}.{name}") from None
     return params

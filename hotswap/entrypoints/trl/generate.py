@@ -26,6 +26,7 @@ from hotswap.entrypoints.openai.serving import (
     collect_final,
     engine_ids,
 )
+from hotswap.entrypoints.server.default_only import check_default_only
 from hotswap.entrypoints.server.errors import bad_request, validation_param
 from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.trl.protocol import (
@@ -77,10 +78,8 @@ def _generation_overrides(generation_kwargs: dict[str, Any]) -> dict[str, Any]:
         where = f"body.generation_kwargs.{key}"
         if key in SAMPLING_KWARGS:
             given[key] = value
-        elif key in DEFAULT_ONLY_KWARGS:
-            if value != DEFAULT_ONLY_KWARGS[key]:
-                raise bad_request(f"generation_kwargs.{key}: not supported (only "
-                                  f"{DEFAULT_ONLY_KWARGS[key]!r})", where)  # fmt: skip
+        elif key in DEFAULT_ONLY_KWARGS.fields:
+            check_default_only(DEFAULT_ONLY_KWARGS, {key: value}, "body.generation_kwargs")
         else:
             raise bad_request(f"generation_kwargs.{key}: not a sampling parameter this "
                               f"server supports", where)  # fmt: skip

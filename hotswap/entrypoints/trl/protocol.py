@@ -14,6 +14,7 @@ from hotswap.entrypoints.openai.protocol import (
     NonNegInt64,
     RequestModel,
 )
+from hotswap.entrypoints.server.default_only import DefaultOnly, Only, equal
 from hotswap.entrypoints.server.errors import bad_request
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ParamMeta
@@ -93,21 +94,26 @@ class GenerationKwargs(BaseModel):
 
 
 SAMPLING_KWARGS = frozenset(GenerationKwargs.model_fields)
-# The vLLM fields hotswap accepts only at vLLM's default (anything else is refused, never ignored).
-DEFAULT_ONLY_KWARGS: dict[str, Any] = {
-    "best_of": None,
-    "detokenize": True,
-    "logits_processors": None,
-    "bad_words": None,
-    "allowed_token_ids": None,
-    "logit_bias": None,
-    "prompt_logprobs": None,
-    "truncate_prompt_tokens": None,
-    "structured_outputs": None,
-    "guided_decoding": None,
-    "extra_args": None,
-    "flat_logprobs": False,
-}
+# The vLLM fields hotswap accepts only at vLLM's default (anything else is refused, never
+# ignored); generation_kwargs are raw JSON values, compared by `==` as TRL's dict holds them.
+DEFAULT_ONLY_KWARGS = DefaultOnly(
+    {
+        "best_of": Only(),
+        "detokenize": Only((True,)),
+        "logits_processors": Only(),
+        "bad_words": Only(),
+        "allowed_token_ids": Only(),
+        "logit_bias": Only(),
+        "prompt_logprobs": Only(),
+        "truncate_prompt_tokens": Only(),
+        "structured_outputs": Only(),
+        "guided_decoding": Only(),
+        "extra_args": Only(),
+        "flat_logprobs": Only((False,)),
+    },
+    "{field}: not supported (only {allowed})",
+    equal,
+)
 
 
 def check_no_images(body: GenerateRequest) -> None:

@@ -40,7 +40,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.exceptions import HTTPException
 
 from hotswap.engine import verbs
-from hotswap.entrypoints.openai.params import check_unknown_fields
+from hotswap.entrypoints.openai.params import UnknownFieldsRoute
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.state import get_engine, get_server_config
 from hotswap.entrypoints.server.verb_routes import VerbRoute, add_verb_routes
@@ -84,8 +84,9 @@ def _require_control(request: Request) -> None:
         raise HTTPException(404, "Not Found")
 
 
-trl_router = APIRouter()
-_control = APIRouter(dependencies=[Depends(_require_control)])
+# unknown body fields: warned about or refused (UnknownFieldsRoute), as on the OpenAI routes
+trl_router = APIRouter(route_class=UnknownFieldsRoute)
+_control = APIRouter(route_class=UnknownFieldsRoute, dependencies=[Depends(_require_control)])
 
 GET_WORLD_SIZE = VerbRoute(
     "/get_world_size/",
@@ -110,7 +111,6 @@ async def health(request: Request) -> dict[str, str]:
 
 @trl_router.post("/generate/")
 async def generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
-    check_unknown_fields(request, body)
     engine = get_engine(request)
     check_no_images(body)
     params = sampling_params(body)
@@ -123,7 +123,6 @@ async def generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
 async def chat(body: ChatRequest, request: Request) -> dict[str, Any]:
     """vLLM's `LLM.chat`: each conversation through the chat template (a generation prompt
     added; chat_template_kwargs may say otherwise), tokenized without special tokens."""
-    check_unknown_fields(request, body)
     engine = get_engine(request)
     params = sampling_params(body)
     truncate = truncation(engine, body.truncate_prompt_tokens)
@@ -139,7 +138,6 @@ async def chat(body: ChatRequest, request: Request) -> dict[str, Any]:
 async def init_communicator(body: InitCommunicatorRequest, request: Request) -> dict[str, str]:
     """Join the trainer's group with the trainer as the last rank: answered once the
     engine is waiting for it (TRL joins after the answer)."""
-    check_unknown_fields(request, body)
     engine = get_engine(request)
     check_transfer_config(request)
     if not 1 <= body.port <= 65535:
@@ -157,7 +155,6 @@ async def init_communicator(body: InitCommunicatorRequest, request: Request) -> 
 async def update_named_param(body: UpdateNamedParamRequest, request: Request) -> dict[str, str]:
     """One parameter, one round: checked and opened before the answer; the trainer then
     broadcasts it, and it is received and committed behind the answer."""
-    check_unknown_fields(request, body)
     meta = param_meta(body)
     engine = get_engine(request)
     session = trl_session(request)
