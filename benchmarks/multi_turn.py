@@ -2,11 +2,12 @@
 KV where its next turn goes.
 
 `--sessions` concurrent sessions of `--turns` turns each on the default model (or
-`--model`), `--data-parallel-size` engine cores. Each session starts from its own task
-after a system prompt every session shares, and resends its whole growing context every
-turn (its previous prompt, the model's answer, a tool result), as an agent's rollout
-does; between turns it waits for its "tool" (`--tool-s`, scaled by a seeded random factor
-per turn, so that sessions fall out of step). One engine per policy, run one after the
+`--model`), `--data-parallel-size` engine cores. Each session starts from its own task and
+document (`--document-words` random words) after a system prompt every session shares,
+and resends its whole growing context every turn (its previous prompt, the model's answer,
+a tool result of `--tool-words` words), as an agent's rollout does; between turns it waits
+for its "tool" (`--tool-s`, scaled by a seeded random factor per turn, so that sessions
+fall out of step). One engine per policy, run one after the
 other in this process:
 
 - least-loaded: no session key; each turn goes to the rank with the fewest unfinished
@@ -61,11 +62,20 @@ class Result:
     routed: list[int]
 
 
+VOCABULARY = ("data", "value", "table", "city", "price", "total", "report", "step", "result",
+              "error", "file", "query", "agent", "number", "answer", "sum")  # fmt: skip
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(VOCABULARY) for _ in range(count))
+
+
 async def run_session(llm: AsyncLLM, args: argparse.Namespace, s: int, keyed: bool) -> tuple:
     """One session: (cached, prompt tokens of turns 2.., turn times, generated tokens)."""
     rng = random.Random(s)
     task = TASKS[s % len(TASKS)].format(n=s + 2)
-    context = llm.tokenizer.encode(f"{SYSTEM}\nTask {s}: {task}\n")
+    document = words(rng, args.document_words)  # what this session's task is about
+    context = llm.tokenizer.encode(f"{SYSTEM}\nTask {s}: {task}\nDocument: {document}\n")
     cached = total = generated = 0
     times = []
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -79,7 +89,8 @@ async def run_session(llm: AsyncLLM, args: argparse.Namespace, s: int, keyed: bo
         generated += len(answer)
         if turn > 0:
             cached, total = cached + final.num_cached_tokens, total + len(context)
-        tool = llm.tokenizer.encode(f"\nTool result {turn}: ok, {rng.randint(0, 999)}.\n", False)
+        result = words(rng, args.tool_words)
+        tool = llm.tokenizer.encode(f"\nTool result {turn}: {result}\n", False)
         context = context + answer + tool
         await asyncio.sleep(args.tool_s * rng.uniform(0.2, 1.8))  # the tool runs
     return cached, total, times, generated
@@ -121,6 +132,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--tool-s", type=float, default=0.05, help="mean tool time between turns")
+    p.add_argument("--document-words", type=int, default=150, help="each session's own text")
+    p.add_argument("--tool-words", type=int, default=30, help="words in each tool result")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--policies", nargs="+", default=["least-loaded", "session", "cache-aware"])
     p.add_argument("--json", default=None, help="also write the rows here")

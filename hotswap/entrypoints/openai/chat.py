@@ -66,6 +66,7 @@ from hotswap.entrypoints.openai.streaming import (
 )
 from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
+from hotswap.entrypoints.server.routing import request_routing
 from hotswap.entrypoints.server.state import ServerConfig, get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -133,6 +134,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         server=server,
         thinking=thinking,
     )
+    prompt.routing = request_routing(request, body.session_id)
     stream = MergedStream(engine, [prompt], sampling, [ctx.id])
     await stream.start()
     headers = {"X-Request-Id": ctx.id}

@@ -49,6 +49,7 @@ from hotswap.entrypoints.openai.streaming import (
     sse_error,
 )
 from hotswap.entrypoints.server.limits import off_loop
+from hotswap.entrypoints.server.routing import request_routing
 from hotswap.entrypoints.server.state import get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
 from hotswap.tokenizer import Tokenizer
@@ -103,6 +104,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         check_context_length(engine, prompt, body.max_tokens, "body.max_tokens")
         prompt.cache_salt = body.cache_salt
         prompt.lora_request = lora
+        prompt.routing = request_routing(request, body.session_id)
     base_id = base_request_id(request, body.request_id, "cmpl")
     ctx = CompletionContext(
         id=base_id,

@@ -27,6 +27,7 @@ from hotswap.entrypoints.openai.protocol import (
     Int64,
     NonNegInt64,
     RequestModel,
+    SessionId,
     StreamOptions,
     StructuredOutputsRequest,
 )
@@ -111,6 +112,7 @@ class GenerateRequest(RequestModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
+    session_id: SessionId | None = None  # hotswap: as X-Session-ID (server/routing.py)
     priority: Int64 = 0
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None

@@ -67,6 +67,7 @@ from hotswap.entrypoints.openai.streaming import (
     sse_error,
 )
 from hotswap.entrypoints.server.limits import off_loop
+from hotswap.entrypoints.server.routing import request_routing
 from hotswap.entrypoints.server.state import get_engine, get_server_config
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput, WeightVersionSpan
 from hotswap.tokenizer import Tokenizer
@@ -104,6 +105,7 @@ async def create_generate(body: GenerateRequest, request: Request) -> Response:
     server.structured_outputs.apply(params.structured_outputs)
     prompt = generate_prompt(engine, body)
     prompt.lora_request = lora
+    prompt.routing = request_routing(request, body.session_id)
     # decoding the prompt (reasoning gate) and compiling a grammar take time: off the loop
     await off_loop(gate_after_thinking, engine, server, body, params)
     await off_loop(prepare_generate_params, engine, params)

@@ -26,6 +26,7 @@ from hotswap.entrypoints.openai.protocol import (
 from hotswap.entrypoints.server.default_only import DefaultOnly, Only, check_default_only
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import WarningThrottle, check_prompt_chars, printable_field
+from hotswap.entrypoints.server.routing import Routing
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids, get_server_config
 from hotswap.errors import InvalidArgument
 from hotswap.lora.request import LoRARequest
@@ -62,6 +63,7 @@ class EnginePrompt:
     token_ids: list[int]
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs on (None: the base model)
+    routing: Routing = Routing()  # which data-parallel rank (server/routing.py)
 
     def as_input(self) -> dict[str, Any]:
         prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}

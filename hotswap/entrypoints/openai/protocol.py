@@ -34,6 +34,7 @@ MAX_N = 1024
 
 Int64 = Annotated[int, Field(ge=-I64, lt=I64)]
 NonNegInt64 = Annotated[int, Field(ge=0, lt=I64)]
+SessionId = Annotated[str, Field(min_length=1, max_length=256)]  # AsyncLLM's bound
 
 
 class RequestModel(CheckedModel):
@@ -145,6 +146,9 @@ class SamplingRequest(RequestModel):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # hotswap: the session the request belongs to, for clients that cannot set the
+    # X-Session-ID header (--dp-routing keeps a session's turns on one rank)
+    session_id: SessionId | None = None
     # with --enable-return-routed-experts: skip the first N prompt tokens' experts
     routed_experts_prompt_start: NonNegInt64 = 0
     # SGLang's spelling: sglext.routed_experts, rows from routed_experts_start_len

@@ -55,7 +55,12 @@ class MergedStream:
         one, e.g. for a request id already in use."""
         for index, (prompt, params, request_id) in enumerate(self._jobs):
             stream = self._engine.generate(
-                prompt.as_input(), params, request_id, lora_request=prompt.lora_request
+                prompt.as_input(),
+                params,
+                request_id,
+                lora_request=prompt.lora_request,
+                session_id=prompt.routing.session_id,
+                data_parallel_rank=prompt.routing.data_parallel_rank,
             )
             self._tasks.append(asyncio.create_task(self._pump(index, stream)))
         # One turn of the loop runs each pump up to its first wait, i.e. past the submit.

@@ -76,11 +76,13 @@ class GenerateRequest(RequestModel):
     # bool or one per prompt: meta_info.routed_experts (--enable-return-routed-experts)
     return_routed_experts: Any = None
     routed_experts_start_len: Any = None  # the first position returned (with the above)
-    # Routing and observability hints with no meaning on one hotswap server: ignored.
-    log_metrics: Any = None
+    # Data-parallel routing (server/routing.py): a session key, an explicit rank (newer
+    # name first); one, or one per prompt
+    routing_key: Any = None
     routed_dp_rank: Any = None
     data_parallel_rank: Any = None
-    routing_key: Any = None
+    # Observability hints with no meaning on a hotswap server: ignored.
+    log_metrics: Any = None
     conversation_id: Any = None
     custom_labels: Any = None
     no_logs: Any = None

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from hotswap.engine.async_llm import AsyncLLM
+from hotswap.engine.async_llm import MAX_SESSION_ID_CHARS, AsyncLLM
 from hotswap.entrypoints.openai.constraints import parse_logit_bias
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
@@ -21,6 +21,7 @@ from hotswap.entrypoints.openai.params import (
 from hotswap.entrypoints.server.default_only import absent, check_default_only, short_repr
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import off_loop, printable_field
+from hotswap.entrypoints.server.routing import Routing, request_routing
 from hotswap.entrypoints.server.state import get_server_config
 from hotswap.entrypoints.sglang.protocol import (
     DEFAULT_ONLY,
@@ -53,6 +54,7 @@ async def plan_jobs(
     rids = _rids(body.rid, len(inputs), single)
     salts = _per_prompt(body.cache_salt, len(inputs), "cache_salt", _is_salt, None)
     loras = _loras(request, body.lora_path, len(inputs))
+    routes = _routings(request, body, len(inputs))
     prompts = await off_loop(  # tokenizing a long prompt must not stall other clients
         lambda: [prepare_prompt(engine, value, param=param) for value, param in inputs]
     )
@@ -60,7 +62,7 @@ async def plan_jobs(
     routed = _routed_experts(body, prompts)
     jobs = []
     for i, (prompt, (fields, prefix)) in enumerate(zip(prompts, samplings)):
-        prompt.cache_salt, prompt.lora_request = salts[i], loras[i]
+        prompt.cache_salt, prompt.lora_request, prompt.routing = salts[i], loras[i], routes[i]
         jobs.append(_job(prompt, fields, prefix, specs[i], rids[i], body.stream))
         if routed[i] is not None:
             jobs[-1].routed_experts = True
@@ -210,6 +212,19 @@ def _loras(request: Request, value: Any, count: int) -> list[LoRARequest | None]
             )
         loras.append(lora)
     return loras
+
+
+def _routings(request: Request, body: GenerateRequest, count: int) -> list[Routing]:
+    """Per prompt, SGLang's routing_key (a session key) and data_parallel_rank (or its
+    newer routed_dp_rank), under the headers' (server/routing.py)."""
+    keys = _per_prompt(body.routing_key, count, "routing_key", _is_key, None)
+    name = "routed_dp_rank" if body.routed_dp_rank is not None else "data_parallel_rank"
+    ranks = _per_prompt(getattr(body, name), count, name, _is_int, None)
+    return [request_routing(request, key, rank) for key, rank in zip(keys, ranks)]
+
+
+def _is_key(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_SESSION_ID_CHARS)
 
 
 def _is_salt(value: Any) -> bool:

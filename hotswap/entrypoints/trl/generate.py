@@ -29,6 +29,7 @@ from hotswap.entrypoints.openai.serving import (
 from hotswap.entrypoints.server.default_only import check_default_only
 from hotswap.entrypoints.server.errors import bad_request, validation_param
 from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
+from hotswap.entrypoints.server.routing import request_routing
 from hotswap.entrypoints.trl.protocol import (
     DEFAULT_ONLY_KWARGS,
     SAMPLING_KWARGS,
@@ -192,6 +193,7 @@ async def generate_completions(
     completion_ids (and logprobs) prompt by prompt, n each, in sample order."""
     for prompt in prompts:
         check_context_length(engine, prompt, params.max_tokens, "body.max_tokens")
+        prompt.routing = request_routing(request)  # X-Session-ID, X-data-parallel-rank
     finals: list[RequestOutput] = []
     if prompts:
         ids = engine_ids(f"trl-{uuid.uuid4().hex}", len(prompts))
