@@ -20,6 +20,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 ATTENTION_BACKENDS = ("TRITON_ATTN", "CPU_ATTN", "TORCH_SDPA")
 # How the data-parallel front end picks a rank for a new request (engine/dp_router.py).
 DP_ROUTING = ("least-loaded", "session", "cache-aware")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 
 
 def check_logprobs_mode(mode: object) -> str:
@@ -104,6 +105,9 @@ class SchedulerConfig:
     max_prefill_tokens_while_decoding: int | None = None
     enable_chunked_prefill: bool = True
     max_model_len: int = 8192
+    # vLLM's: "fcfs" admits in arrival order; "priority" by (priority, arrival), lower
+    # first, and preempts the running request with the largest (priority, arrival) first.
+    policy: str = "fcfs"
 
 
 @dataclass(frozen=True)

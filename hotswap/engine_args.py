@@ -18,6 +18,7 @@ from hotswap.config import (
     DEFAULT_KV_CACHE_BYTES,
     DP_ROUTING,
     LOGPROBS_MODES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     LoRAConfig,
@@ -143,6 +144,9 @@ class EngineArgs:
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = arg(True, "split long prompts over several steps")
     max_num_seqs: int = arg(128, "most requests running in one step")
+    scheduling_policy: str = arg(
+        "fcfs", "fcfs: arrival order; priority: lower priority first", choices=SCHEDULING_POLICIES
+    )
     max_num_batched_tokens: int | None = arg(
         None, "most tokens in one step (default: 2048, or max-model-len without chunking)"
     )
@@ -391,4 +395,5 @@ class EngineArgs:
             max_prefill_tokens_while_decoding=cap if self.enable_chunked_prefill else None,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len,
+            policy=check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES),
         )

@@ -25,6 +25,7 @@ from hotswap.engine.messages import CallError, EngineCoreOutputs, EngineCoreRequ
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import (
     Prompt,
+    check_priority,
     check_prompt,
     encode_prompt,
     prepare_params,
@@ -94,20 +95,25 @@ class AsyncLLM:
         *,
         data_parallel_rank: int | None = None,
         session_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative or delta, per `output_kind`). Leaving
         the loop early, or cancelling the consumer, aborts the request and frees its KV.
         `lora_request`: the adapter it runs on, loaded on every engine core when first
         named (vLLM's). With data parallelism, `data_parallel_rank` pins the rank (vLLM's)
-        and `session_id` keeps a multi-turn session on one rank (`--dp-routing`)."""
+        and `session_id` keeps a multi-turn session on one rank (`--dp-routing`).
+        `priority`: under `--scheduling-policy priority`, lower is admitted first (vLLM's;
+        unused under fcfs)."""
         self._start()
-        routing = self._routing(data_parallel_rank, session_id)
+        # The request's hints for the engine (EngineCoreRequest fields), checked up front.
+        hints = self._routing(data_parallel_rank, session_id)
+        hints["priority"] = check_priority(priority)
         params = sampling_params or SamplingParams(**self.config.default_sampling)
         request_id = request_id or f"req-{next(self._request_ids)}"
         if lora_request is not None and self._loras.needs_load(lora_request):
             await self.load_lora_adapter(lora_request.lora_name, lora_request.lora_path, True)
         lora_name = lora_request.lora_name if lora_request is not None else None
-        stream = self._submit(request_id, prompt, params, lora_name, routing)
+        stream = self._submit(request_id, prompt, params, lora_name, hints)
         finished = False
         try:
             while not finished:
@@ -141,7 +147,7 @@ class AsyncLLM:
         prompt: Prompt,
         params: SamplingParams,
         lora_name: str | None,
-        routing: dict[str, Any] | None = None,
+        hints: dict[str, Any] | None = None,
     ) -> asyncio.Queue[RequestOutput | BaseException]:
         if request_id in self._streams:
             raise InvalidArgument("request_id", f"request_id: {request_id!r} is already in use")
@@ -163,7 +169,7 @@ class AsyncLLM:
                     time.monotonic(),
                     cache_salt=salt,
                     lora_name=lora_name,
-                    **(routing or {}),
+                    **(hints or {}),
                 )
             )
         return stream

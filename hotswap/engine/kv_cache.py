@@ -103,6 +103,11 @@ class BlockPool:
         self.block_hash[block_id] = block_hash
         self.cached[block_hash] = block_id
 
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Forget these blocks' hashes (their KV will not be written after all)."""
+        for block_id in block_ids:
+            self._evict(block_id)
+
     def reset_prefix_cache(self) -> int:
         """Forget every hash; blocks in use stay allocated but are no longer shareable."""
         dropped = len(self.cached)
@@ -187,6 +192,14 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         self.pool.free(request.block_ids[::-1])
         request.block_ids = []
+
+    def unschedule(self, request: Request, num_computed: int) -> None:
+        """Its chunk from `num_computed` on will not run after all (taken back by a
+        preemption): the blocks `allocate` registered for it as full hold no KV, so they
+        must not be shared. Blocks below `num_computed // block_size` were full and
+        computed in earlier steps; no other request can have hit the later ones yet (a
+        prefix lookup happens only at admission, after every running request is placed)."""
+        self.pool.uncache(request.block_ids[num_computed // self.block_size :])
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

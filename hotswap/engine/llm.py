@@ -12,10 +12,16 @@ import torch
 from tqdm import tqdm
 
 from hotswap.engine.core import EngineCore
-from hotswap.engine.errors import EngineDeadError
+from hotswap.engine.errors import EngineDeadError, InvalidArgument
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine.output_processor import OutputProcessor
-from hotswap.engine.prompts import Prompt, encode_prompt, prepare_params, prompt_cache_salt
+from hotswap.engine.prompts import (
+    Prompt,
+    check_priority,
+    encode_prompt,
+    prepare_params,
+    prompt_cache_salt,
+)
 from hotswap.engine.verb_methods import with_verb_methods
 from hotswap.engine.verbs import Args, CollectiveRpc, LoadWeightsInline, make_args
 from hotswap.engine_args import EngineArgs
@@ -76,13 +82,16 @@ class LLM:
         *,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """`lora_request`: the adapter every prompt runs on, or one per prompt (None: the
-        base model); loaded when first named (vLLM's)."""
+        base model); loaded when first named (vLLM's). `priority`: one per prompt (vLLM's;
+        lower first under --scheduling-policy priority)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(
             sampling_params, len(prompt_list), self.config.default_sampling
         )
+        priorities = _as_priority_list(priority, len(prompt_list))
         loras = _as_lora_list(lora_request, len(prompt_list))
         for lora in {id(r): r for r in loras if r is not None}.values():
             self._ensure_loaded(lora)
@@ -95,8 +104,10 @@ class LLM:
                 EngineCoreRequest("validate", ids, params, lora_name=name)
             )
         order = []
-        for (text, ids), params, salt, name in zip(requests, params_list, salts, names):
-            order.append(self._add(text, ids, params, salt, name))
+        for (text, ids), params, salt, name, rank in zip(
+            requests, params_list, salts, names, priorities
+        ):
+            order.append(self._add(text, ids, params, salt, name, rank))
         return self._run(order, use_tqdm)
 
     def chat(
@@ -174,6 +185,7 @@ class LLM:
         params: SamplingParams,
         salt: str | None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> str:
         request_id = str(next(self._ids))
         params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -186,6 +198,7 @@ class LLM:
                     eos_token_id=self.tokenizer.eos_token_id,
                     cache_salt=salt,
                     lora_name=lora_name,
+                    priority=priority,
                 )
             )
         return request_id
@@ -232,6 +245,17 @@ def _as_lora_list(
     lora: LoRARequest | Sequence[LoRARequest | None] | None, count: int
 ) -> list[LoRARequest | None]:
     return [None] * count if lora is None else _per_prompt(lora, count, "lora_request", LoRARequest)
+
+
+def _as_priority_list(priority: Sequence[int] | None, count: int) -> list[int]:
+    """vLLM's: None (all 0) or a list with one priority per prompt."""
+    if priority is None:
+        return [0] * count
+    values = [priority] if isinstance(priority, int) else list(priority)
+    if isinstance(priority, int) or len(values) != count:
+        raise InvalidArgument("priority", f"priority: got {priority!r} for {count} prompts; "
+                              "pass a list with one per prompt")  # fmt: skip
+    return [check_priority(p) for p in values]
 
 
 def _per_prompt(value: Any, count: int, field: str, single: type) -> list[Any]:

@@ -21,6 +21,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float | None = None
     cache_salt: str | None = None
     lora_name: str | None = None  # a loaded adapter (None: the base model)
+    priority: int = 0  # --scheduling-policy priority: lower first (ignored under fcfs)
     # Routing hints for the data-parallel front end (dp_router.py); an engine core ignores
     # them: the session the request belongs to, and a rank it was pinned to.
     session_id: str | None = None

@@ -63,6 +63,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_priority(priority: object) -> int:
+    """A request's scheduling priority (vLLM's: any int64; lower first under
+    --scheduling-policy priority, accepted and unused under fcfs, as vLLM's v1 engine)."""
+    if not (_is_int(priority) and -(2**63) <= priority < 2**63):  # type: ignore[operator]
+        raise InvalidArgument("priority", f"priority: must be a 64-bit integer, got {priority!r}")
+    return priority  # type: ignore[return-value]
+
+
 def prepare_params(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> None:
     """The front-end's checks and derivations of a request's sampling params, before the
     engine sees them: token ids in the vocabulary, bad words as token sequences, the

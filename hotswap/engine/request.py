@@ -50,8 +50,13 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # --scheduling-policy priority: lower first (vLLM's); `arrival_order` breaks ties of
+        # (priority, arrival_time), set by the scheduler when it adds the request.
+        self.priority = priority
+        self.arrival_order = 0
         self.cache_salt = cache_salt  # prefix-cache blocks are shared only within one salt
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id

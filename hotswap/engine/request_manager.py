@@ -67,6 +67,7 @@ class RequestManager:
             req.eos_token_id,
             req.arrival_time,
             req.cache_salt,
+            req.priority,
         )
         request.lora = self.loras.resolve(req.lora_name, self.adapters_in_use())
         constraint = req.sampling_params.structured_outputs

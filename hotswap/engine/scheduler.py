@@ -1,21 +1,25 @@
 """Continuous batching: each step picks which requests compute how many tokens.
 
 Invariants: every request in `running` holds KV blocks for its computed tokens; every
-request in `waiting` holds none. Running requests are served first (oldest first); when
-blocks run out the newest running request is preempted by recompute. The pause state
-gates what may be scheduled (docs/design.md §3).
+request in `waiting` holds none. Running requests are served first (in admission order);
+when blocks run out a running request is preempted by recompute: the newest under the
+fcfs policy, the one with the largest (priority, arrival) under priority, as in vLLM.
+Waiting requests are admitted in the policy's order (request_queue.py); a waiting request
+never preempts a running one. The pause state gates what may be scheduled
+(docs/design.md §3).
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hotswap.config import CacheConfig, SchedulerConfig
 from hotswap.engine.kv_cache import KVCacheManager
 from hotswap.engine.request import Request, RequestStatus
+from hotswap.engine.request_queue import lowest_priority, make_waiting_queue
 
 
 class PauseState(enum.IntEnum):
@@ -64,7 +68,8 @@ class Scheduler:
         self.kv = KVCacheManager(
             num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
         )
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(config.policy)
+        self._arrivals = itertools.count()  # Request.arrival_order
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.pause_state = PauseState.UNPAUSED
@@ -81,7 +86,8 @@ class Scheduler:
                 f"max_model_len={self.config.max_model_len}"
             )
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        request.arrival_order = next(self._arrivals)
+        self.waiting.add(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (e.g. abort) requests wherever they are; unknown ids are ignored."""
@@ -164,7 +170,7 @@ class Scheduler:
                 index += 1
                 continue
             while not self.kv.can_allocate(request, num_new):
-                victim = self.running.pop()
+                victim, budget, index = self._pick_victim(out, budget, index)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
@@ -175,24 +181,46 @@ class Scheduler:
             index += 1
         return budget
 
+    def _pick_victim(
+        self, out: SchedulerOutput, budget: int, index: int
+    ) -> tuple[Request, int, int]:
+        """Take the request to preempt out of `running`. fcfs: the newest, never one
+        scheduled this step (it is behind `index`). priority: the largest key, maybe one
+        scheduled already: its chunk is taken back (its budget and prefill-cap share
+        returned; the caller's `index` moves back past it), as vLLM does."""
+        if self.config.policy != "priority":
+            return self.running.pop(), budget, index
+        victim = lowest_priority(self.running)
+        position = self.running.index(victim)
+        del self.running[position]
+        if position < index:
+            item = next(s for s in out.scheduled if s.request is victim)
+            out.scheduled.remove(item)
+            self.kv.unschedule(victim, item.start)
+            budget += item.num_tokens
+            if victim.num_tokens - item.start != 1:  # a prefill chunk: it took from the cap
+                self._prefill_budget += item.num_tokens
+            index -= 1
+        return victim, budget, index
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
         adapters = self.running_adapters()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if not self._may_admit(request) or not self._adapter_fits(request, adapters):
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             num_new = self._admit(request, budget)
             if num_new == 0:
                 break
             if request.lora is not None:
                 adapters.add(request.lora.uid)
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.restore(skipped)
 
     def _may_admit(self, request: Request) -> bool:
         if self.pause_state == PauseState.UNPAUSED:
@@ -239,7 +267,7 @@ class Scheduler:
         if count:
             request.num_preemptions += 1
             self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
 
     # -- after the model ran ------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

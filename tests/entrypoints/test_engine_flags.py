@@ -59,6 +59,9 @@ def test_declared_choices_and_aliases() -> None:
         parser.parse_args(["--dtype", "float8"])
     with pytest.raises(argparse.ArgumentError, match="max-num-seqs"):
         parser.parse_args(["--max-num-seqs", "many"])
+    assert parser.parse_args(["--scheduling-policy", "priority"]).scheduling_policy == "priority"
+    with pytest.raises(argparse.ArgumentError, match="scheduling-policy"):
+        parser.parse_args(["--scheduling-policy", "sjf"])  # vLLM's choices: fcfs, priority
     flags = {f.name: f.metadata[FLAG_KEY] for f in dataclasses.fields(EngineArgs) if f.metadata}
     aliased = {name: flag.aliases for name, flag in flags.items() if flag.aliases}
     assert aliased == {

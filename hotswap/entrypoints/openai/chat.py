@@ -135,6 +135,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         thinking=thinking,
     )
     prompt.routing = request_routing(request, body.session_id)
+    prompt.priority = body.priority
     stream = MergedStream(engine, [prompt], sampling, [ctx.id])
     await stream.start()
     headers = {"X-Request-Id": ctx.id}

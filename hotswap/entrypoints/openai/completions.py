@@ -105,6 +105,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         prompt.cache_salt = body.cache_salt
         prompt.lora_request = lora
         prompt.routing = request_routing(request, body.session_id)
+        prompt.priority = body.priority
     base_id = base_request_id(request, body.request_id, "cmpl")
     ctx = CompletionContext(
         id=base_id,

@@ -64,6 +64,7 @@ class EnginePrompt:
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs on (None: the base model)
     routing: Routing = Routing()  # which data-parallel rank (server/routing.py)
+    priority: int = 0  # the body's `priority` (--scheduling-policy priority)
 
     def as_input(self) -> dict[str, Any]:
         prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}

@@ -172,9 +172,9 @@ class SamplingRequest(RequestModel):
     # accepted only at their defaults (see params.check_unsupported)
     length_penalty: float | None = None
     use_beam_search: bool = False
-    # accepted and, as under vLLM's default --scheduling-policy fcfs, not used: requests are
-    # scheduled first come, first served
-    priority: int = 0
+    # vLLM's: lower first under --scheduling-policy priority; accepted and unused under the
+    # default fcfs, as vLLM's v1 engine does
+    priority: Int64 = 0
 
     @field_validator("stop", mode="before")
     @classmethod

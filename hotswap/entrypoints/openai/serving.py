@@ -61,6 +61,7 @@ class MergedStream:
                 lora_request=prompt.lora_request,
                 session_id=prompt.routing.session_id,
                 data_parallel_rank=prompt.routing.data_parallel_rank,
+                priority=prompt.priority,
             )
             self._tasks.append(asyncio.create_task(self._pump(index, stream)))
         # One turn of the loop runs each pump up to its first wait, i.e. past the submit.
