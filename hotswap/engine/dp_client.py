@@ -256,4 +256,9 @@ def _merge_stats(stats: list[dict]) -> dict:
         elif isinstance(value, float):
             merged[key] = sum(column) / len(column)
     merged["data_parallel_size"] = len(stats)
+    # The hit rate of all ranks' lookups together (not a mean of rates), and each rank's:
+    # routing shows in them (engine/dp_router.py).
+    queries, hits = merged.get("prefix_cache_queries", 0), merged.get("prefix_cache_hits", 0)
+    merged["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+    merged["rank_prefix_cache_hit_rate"] = [s.get("prefix_cache_hit_rate", 0.0) for s in stats]
     return merged

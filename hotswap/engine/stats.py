@@ -56,6 +56,8 @@ class EngineStats:
             "num_blocks": sched.kv.pool.num_blocks,
             "kv_usage": sched.kv.usage,
             "prefix_cache_hit_rate": sched.kv.hit_rate,
+            "prefix_cache_queries": sched.kv.num_queries,  # prompt tokens looked up
+            "prefix_cache_hits": sched.kv.num_hits,  # of which found
             "num_preemptions": sched.num_preemptions,
             "pause_state": sched.pause_state.name,
             "weight_version": self.versions.version,

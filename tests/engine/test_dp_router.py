@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from hotswap import AsyncLLM, SamplingParams
-from hotswap.engine.dp_client import DPEngineClient
+from hotswap.engine.dp_client import DPEngineClient, _merge_stats
 from hotswap.engine.dp_router import DPRouter
 from hotswap.engine.messages import EngineCoreRequest
 from hotswap.engine_args import EngineArgs
@@ -93,6 +93,17 @@ def test_the_client_routes_by_session_and_follows_aborts() -> None:
     assert not client.owner and not any(client.active)
 
 
+def test_the_ranks_hit_rate_is_of_their_lookups_together_and_each_is_kept() -> None:
+    ranks = [
+        {"prefix_cache_queries": 100, "prefix_cache_hits": 90, "prefix_cache_hit_rate": 0.9},
+        {"prefix_cache_queries": 300, "prefix_cache_hits": 30, "prefix_cache_hit_rate": 0.1},
+    ]
+    merged = _merge_stats(ranks)  # fmt: skip
+    assert merged["prefix_cache_hit_rate"] == 120 / 400  # not the mean of the rates, 0.5
+    assert merged["rank_prefix_cache_hit_rate"] == [0.9, 0.1]
+    assert merged["prefix_cache_queries"] == 400
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [({"data_parallel_rank": 1}, "data_parallel_rank"),
@@ -155,6 +166,9 @@ def test_later_turns_hit_their_sessions_cache_on_two_ranks(tiny_llama) -> None:
                        progress=False, **engine)  # fmt: skip
         try:
             hit_rate = await _sessions(llm, 8, 4)
+            engine = await llm.get_stats()
+            assert len(engine["rank_prefix_cache_hit_rate"]) == 2
+            assert engine["prefix_cache_hits"] <= engine["prefix_cache_queries"]
             return hit_rate, llm.front_end_stats()
         finally:
             llm.shutdown()

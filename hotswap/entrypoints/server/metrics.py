@@ -100,6 +100,13 @@ class _EngineSnapshot(Collector):
         for rank, count in enumerate(stats.get("dp_routed", [])):
             routed.add_metric([self.model_name, str(rank)], float(count))
         yield routed
+        rank_hits = GaugeMetricFamily(
+            "hotswap:dp_prefix_cache_hit_rate", "Each data-parallel rank's prefix-cache hit rate.",
+            labels=[*labels, "rank"],
+        )  # fmt: skip
+        for rank, rate in enumerate(stats.get("rank_prefix_cache_hit_rate", [])):
+            rank_hits.add_metric([self.model_name, str(rank)], float(rate))
+        yield rank_hits
         yield from snapshot_families(stats, self.model_name)
 
 

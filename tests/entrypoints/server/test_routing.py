@@ -72,6 +72,10 @@ def test_a_sessions_requests_go_to_its_rank_though_it_is_busier(
                 turn(i)
         counts = delta(before, routed(two_ranks))
         assert counts[rank] == 5 and counts[1 - rank] == 0, (spelling, counts)
+    with two_ranks.client() as http:
+        text = http.get("/metrics").text
+    rates = re.findall(r'hotswap:dp_prefix_cache_hit_rate\{.*rank="(\d)"\} (\S+)', text)
+    assert [rank for rank, _ in rates] == ["0", "1"] and all(0 <= float(r) <= 1 for _, r in rates)
 
 
 def _sglang_turn(server: RemoteServer, turn: int) -> None:
