@@ -25,6 +25,7 @@ from hotswap.engine.messages import CallError, EngineCoreOutputs, EngineCoreRequ
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import (
     Prompt,
+    check_kv_retention,
     check_priority,
     check_prompt,
     encode_prompt,
@@ -96,6 +97,7 @@ class AsyncLLM:
         data_parallel_rank: int | None = None,
         session_id: str | None = None,
         priority: int = 0,
+        kv_retention_s: float = 0.0,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs (cumulative or delta, per `output_kind`). Leaving
         the loop early, or cancelling the consumer, aborts the request and frees its KV.
@@ -103,11 +105,13 @@ class AsyncLLM:
         named (vLLM's). With data parallelism, `data_parallel_rank` pins the rank (vLLM's)
         and `session_id` keeps a multi-turn session on one rank (`--dp-routing`).
         `priority`: under `--scheduling-policy priority`, lower is admitted first (vLLM's;
-        unused under fcfs)."""
+        unused under fcfs). `kv_retention_s`: keep its KV that long after it finishes, for
+        its session's next turn (soft: taken last, released by a weight commit)."""
         self._start()
         # The request's hints for the engine (EngineCoreRequest fields), checked up front.
         hints = self._routing(data_parallel_rank, session_id)
         hints["priority"] = check_priority(priority)
+        hints["kv_retention_s"] = check_kv_retention(kv_retention_s)
         params = sampling_params or SamplingParams(**self.config.default_sampling)
         request_id = request_id or f"req-{next(self._request_ids)}"
         if lora_request is not None and self._loras.needs_load(lora_request):

@@ -5,6 +5,13 @@ Blocks hold `block_size` tokens. A full block whose tokens are known gets a chai
 Unreferenced blocks sit in an LRU free queue; a cached one stays reusable until allocation
 evicts it. Allocation is check-then-act: callers ask `can_allocate` first, and `allocate`
 never half-succeeds.
+
+Retention (a request's `kv_retention_s`: an agent's next turn comes after a tool call): a
+finished request's blocks wait in a retained queue until their deadline instead of the
+free queue. Allocation takes free blocks first and retained ones only when no free block
+is left (oldest retention first), so a hint never makes a request wait or be preempted;
+expired blocks join the free queue (still cached), and a weight commit or a prefix-cache
+reset releases them all (their KV is of old weights, or no longer shareable).
 """
 
 from __future__ import annotations
@@ -55,22 +62,28 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         # Insertion order = eviction order: least recently freed first.
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Unreferenced blocks kept for a finished request's next turn: block -> deadline
+        # (time.monotonic()), in the order they were retained (taken in that order).
+        self.retained: OrderedDict[int, float] = OrderedDict()
+        self.next_expiry = float("inf")  # the earliest deadline (expire scans only then)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_queue)
+        """Blocks an allocation may take (retained ones included: retention is soft)."""
+        return len(self.free_queue) + len(self.retained)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_queue)
+        return num_blocks <= self.num_free_blocks
 
     def allocate(self, num_blocks: int) -> list[int]:
         if not self.can_allocate(num_blocks):
             raise RuntimeError(
-                f"KV cache: asked for {num_blocks} blocks, {len(self.free_queue)} free"
+                f"KV cache: asked for {num_blocks} blocks, {self.num_free_blocks} free"
             )
         block_ids = []
         for _ in range(num_blocks):
-            block_id, _ = self.free_queue.popitem(last=False)
+            queue = self.free_queue if self.free_queue else self.retained
+            block_id, _ = queue.popitem(last=False)
             self._evict(block_id)
             self.ref_counts[block_id] = 1
             block_ids.append(block_id)
@@ -80,17 +93,38 @@ class BlockPool:
         """Take a reference to cached blocks found by lookup (maybe currently free)."""
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
-                del self.free_queue[block_id]
+                queue = self.free_queue if block_id in self.free_queue else self.retained
+                del queue[block_id]
             self.ref_counts[block_id] += 1
 
-    def free(self, block_ids: Sequence[int]) -> None:
+    def free(self, block_ids: Sequence[int], retain_until: float | None = None) -> None:
+        """Drop a reference to each block; an unreferenced one joins the free queue, or
+        with `retain_until`, if cached, the retained queue until then."""
         # Callers pass blocks tail first, so a request's last blocks are evicted first.
         for block_id in block_ids:
             if self.ref_counts[block_id] <= 0:
                 raise RuntimeError(f"KV cache: double free of block {block_id}")
             self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
+            if self.ref_counts[block_id] > 0:
+                continue
+            if retain_until is not None and self.block_hash[block_id] is not None:
+                self.retained[block_id] = retain_until
+                self.next_expiry = min(self.next_expiry, retain_until)
+            else:
                 self.free_queue[block_id] = None
+
+    def expire(self, now: float) -> None:
+        """Retained blocks past their deadline join the free queue (still cached)."""
+        if now < self.next_expiry:
+            return
+        for block_id, deadline in list(self.retained.items()):
+            if deadline <= now:
+                del self.retained[block_id]
+                self.free_queue[block_id] = None
+        self.next_expiry = min(self.retained.values(), default=float("inf"))
+
+    def release_retained(self) -> None:
+        self.expire(float("inf"))
 
     def lookup(self, block_hash: bytes) -> int | None:
         return self.cached.get(block_hash)
@@ -110,6 +144,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> int:
         """Forget every hash; blocks in use stay allocated but are no longer shareable."""
+        self.release_retained()  # no longer shareable: nothing to keep them for
         dropped = len(self.cached)
         for block_id in self.cached.values():
             self.block_hash[block_id] = None
@@ -189,9 +224,15 @@ class KVCacheManager:
         num_tokens_after = request.num_computed_tokens + len(computed_blocks) * self.block_size
         self._cache_full_blocks(request, num_tokens_after + num_new_tokens)
 
-    def free(self, request: Request) -> None:
-        self.pool.free(request.block_ids[::-1])
+    def free(self, request: Request, retain_until: float | None = None) -> None:
+        self.pool.free(request.block_ids[::-1], retain_until)
         request.block_ids = []
+
+    def set_weight_version(self, version: int) -> None:
+        """New weights: new hashes from now on, and retained blocks (of the old weights'
+        KV, which no later request can hit) released."""
+        self.weight_version = version
+        self.pool.release_retained()
 
     def unschedule(self, request: Request, num_computed: int) -> None:
         """Its chunk from `num_computed` on will not run after all (taken back by a

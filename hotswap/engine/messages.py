@@ -26,6 +26,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     # them: the session the request belongs to, and a rank it was pinned to.
     session_id: str | None = None
     data_parallel_rank: int | None = None
+    kv_retention_s: float = 0.0  # keep its KV this long after it finishes (kv_cache.py)
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):

@@ -71,6 +71,22 @@ def check_priority(priority: object) -> int:
     return priority  # type: ignore[return-value]
 
 
+MAX_KV_RETENTION_S = 3600.0  # an hour: a tool call, not a cache policy
+
+
+def check_kv_retention(seconds: object) -> float:
+    """How long a finished request's KV is kept for its session's next turn (kv_cache.py);
+    0 keeps nothing beyond the prefix cache's own LRU."""
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not (0 <= seconds <= MAX_KV_RETENTION_S)
+    ):
+        raise InvalidArgument("kv_retention_s", f"kv_retention_s: must be a number of seconds "
+                              f"in [0, {MAX_KV_RETENTION_S:g}], got {seconds!r}")  # fmt: skip
+    return float(seconds)
+
+
 def prepare_params(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> None:
     """The front-end's checks and derivations of a request's sampling params, before the
     engine sees them: token ids in the vocabulary, bad words as token sequences, the

@@ -51,8 +51,12 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        kv_retention_s: float = 0.0,
     ) -> None:
         self.request_id = request_id
+        # Seconds its blocks are kept after it finishes, for its session's next turn
+        # (kv_cache.py: retention is soft)
+        self.kv_retention_s = kv_retention_s
         # --scheduling-policy priority: lower first (vLLM's); `arrival_order` breaks ties of
         # (priority, arrival_time), set by the scheduler when it adds the request.
         self.priority = priority

@@ -68,6 +68,7 @@ class RequestManager:
             req.arrival_time,
             req.cache_salt,
             req.priority,
+            req.kv_retention_s,
         )
         request.lora = self.loras.resolve(req.lora_name, self.adapters_in_use())
         constraint = req.sampling_params.structured_outputs

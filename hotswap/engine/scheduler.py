@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -145,6 +146,7 @@ class Scheduler:
         if self.pause_state == PauseState.PAUSED_ALL:
             return out
         self._prefill_budget = self._prefill_cap()
+        self.kv.pool.expire(time.monotonic())
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         self._schedule_waiting(out, budget)
         return out
@@ -307,6 +309,7 @@ class Scheduler:
         self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        self.kv.free(request)
+        retain = request.kv_retention_s  # kept for its session's next turn (kv_cache.py)
+        self.kv.free(request, time.monotonic() + retain if retain > 0 else None)
         request.status = status
         del self.requests[request.request_id]

@@ -58,6 +58,7 @@ class EngineStats:
             "prefix_cache_hit_rate": sched.kv.hit_rate,
             "prefix_cache_queries": sched.kv.num_queries,  # prompt tokens looked up
             "prefix_cache_hits": sched.kv.num_hits,  # of which found
+            "num_retained_blocks": len(sched.kv.pool.retained),  # kept for a next turn
             "num_preemptions": sched.num_preemptions,
             "pause_state": sched.pause_state.name,
             "weight_version": self.versions.version,

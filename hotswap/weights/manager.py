@@ -183,7 +183,7 @@ class WeightManager:
         than their `max_weight_lag` behind their first token's version are aborted."""
         self.versions.version += 1
         self.versions.label = label
-        self.scheduler.kv.weight_version = self.versions.version
+        self.scheduler.kv.set_weight_version(self.versions.version)
         # Every path that writes weights commits through here (or says so itself, as
         # collective_rpc does); derived copies of the weights are remade from the new ones.
         self.runner.weights_changed()

@@ -136,6 +136,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     prompt.routing = request_routing(request, body.session_id)
     prompt.priority = body.priority
+    prompt.kv_retention_s = body.kv_retention_s
     stream = MergedStream(engine, [prompt], sampling, [ctx.id])
     await stream.start()
     headers = {"X-Request-Id": ctx.id}

@@ -106,6 +106,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         prompt.lora_request = lora
         prompt.routing = request_routing(request, body.session_id)
         prompt.priority = body.priority
+        prompt.kv_retention_s = body.kv_retention_s
     base_id = base_request_id(request, body.request_id, "cmpl")
     ctx = CompletionContext(
         id=base_id,

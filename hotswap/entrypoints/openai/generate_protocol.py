@@ -25,6 +25,7 @@ from hotswap.entrypoints.openai.protocol import (
     I64,
     MAX_N,
     Int64,
+    KVRetention,
     NonNegInt64,
     RequestModel,
     SessionId,
@@ -113,6 +114,7 @@ class GenerateRequest(RequestModel):
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = None
     session_id: SessionId | None = None  # hotswap: as X-Session-ID (server/routing.py)
+    kv_retention_s: KVRetention = 0.0  # hotswap: as on the OpenAI routes
     priority: Int64 = 0
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None

@@ -107,6 +107,7 @@ async def create_generate(body: GenerateRequest, request: Request) -> Response:
     prompt.lora_request = lora
     prompt.routing = request_routing(request, body.session_id)
     prompt.priority = body.priority
+    prompt.kv_retention_s = body.kv_retention_s
     # decoding the prompt (reasoning gate) and compiling a grammar take time: off the loop
     await off_loop(gate_after_thinking, engine, server, body, params)
     await off_loop(prepare_generate_params, engine, params)

@@ -65,6 +65,7 @@ class EnginePrompt:
     lora_request: LoRARequest | None = None  # the adapter it runs on (None: the base model)
     routing: Routing = Routing()  # which data-parallel rank (server/routing.py)
     priority: int = 0  # the body's `priority` (--scheduling-policy priority)
+    kv_retention_s: float = 0.0  # keep its KV after it finishes (engine/kv_cache.py)
 
     def as_input(self) -> dict[str, Any]:
         prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}

@@ -35,6 +35,7 @@ MAX_N = 1024
 Int64 = Annotated[int, Field(ge=-I64, lt=I64)]
 NonNegInt64 = Annotated[int, Field(ge=0, lt=I64)]
 SessionId = Annotated[str, Field(min_length=1, max_length=256)]  # AsyncLLM's bound
+KVRetention = Annotated[float, Field(ge=0, le=3600)]  # seconds (prompts.MAX_KV_RETENTION_S)
 
 
 class RequestModel(CheckedModel):
@@ -149,6 +150,9 @@ class SamplingRequest(RequestModel):
     # hotswap: the session the request belongs to, for clients that cannot set the
     # X-Session-ID header (--dp-routing keeps a session's turns on one rank)
     session_id: SessionId | None = None
+    # hotswap: keep this request's KV that long after it finishes, for the session's next
+    # turn (an agent's tool call); soft, released by a weight commit (engine/kv_cache.py)
+    kv_retention_s: KVRetention = 0.0
     # with --enable-return-routed-experts: skip the first N prompt tokens' experts
     routed_experts_prompt_start: NonNegInt64 = 0
     # SGLang's spelling: sglext.routed_experts, rows from routed_experts_start_len

@@ -62,6 +62,7 @@ class MergedStream:
                 session_id=prompt.routing.session_id,
                 data_parallel_rank=prompt.routing.data_parallel_rank,
                 priority=prompt.priority,
+                kv_retention_s=prompt.kv_retention_s,
             )
             self._tasks.append(asyncio.create_task(self._pump(index, stream)))
         # One turn of the loop runs each pump up to its first wait, i.e. past the submit.

@@ -92,10 +92,16 @@ def test_an_explicit_rank_wins_and_bad_hints_are_refused(two_ranks: RemoteServer
             headers = {"X-data-parallel-rank": str(rank), "X-Session-ID": "pinned"}
             assert http.post("/v1/completions", json=body, headers=headers).status_code == 200
         assert delta(before, routed(two_ranks)) == [1, 2]
+        kept = {**body, "kv_retention_s": 30}  # a session's turn kept for its next
+        assert http.post("/v1/completions", json=kept, headers=headers).status_code == 200
+        stats = http.get("/metrics").text
+        assert re.search(r"^hotswap:prefix_cache_hit_rate", stats, re.M)
+        before = routed(two_ranks)
         refusals = [
             ({"X-data-parallel-rank": "2"}, body, "X-data-parallel-rank"),
             ({"X-Session-ID": "x" * 257}, body, "X-Session-ID"),
             ({}, {**body, "session_id": ""}, "body.session_id"),
+            ({}, {**body, "kv_retention_s": -1}, "body.kv_retention_s"),
         ]
         for headers, sent, param in refusals:
             r = http.post("/v1/completions", json=sent, headers=headers)
@@ -103,4 +109,4 @@ def test_an_explicit_rank_wins_and_bad_hints_are_refused(two_ranks: RemoteServer
         sglang = {"text": "hi", "data_parallel_rank": 5, "sampling_params": {"max_new_tokens": 1}}
         r = http.post("/generate", json=sglang)
         assert r.status_code == 400 and "data_parallel_rank" in r.text, r.text
-    assert delta(before, routed(two_ranks)) == [1, 2]  # nothing refused was admitted
+    assert delta(before, routed(two_ranks)) == [0, 0]  # nothing refused was admitted
