@@ -86,6 +86,18 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def v1_dir(tiny_model_factory) -> Path:
+    """The tiny Llama a weight update starts from (the weight tests' and dialects')."""
+    return tiny_model_factory("llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def v2_dir(tiny_model_factory) -> Path:
+    """The same architecture with other weights: what a round sends."""
+    return tiny_model_factory("llama", seed=1)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
 

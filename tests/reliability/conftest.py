@@ -14,16 +14,6 @@ from tests.helpers.server import RemoteServer
 ARGS = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control")
 
 
-@pytest.fixture(scope="session")
-def v1_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=0)
-
-
-@pytest.fixture(scope="session")
-def v2_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=1)
-
-
 @pytest.fixture(scope="module")
 def ipc_server(v1_dir):
     with RemoteServer(v1_dir, *ARGS, "--weight-transfer-config", '{"backend": "ipc"}') as srv:

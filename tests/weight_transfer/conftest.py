@@ -13,16 +13,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def v1_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=0)
-
-
-@pytest.fixture(scope="session")
-def v2_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=1)
-
-
 def trainer_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The trainer's copy of a checkpoint: a transformers model (checkpoint names)."""
     from transformers import AutoModelForCausalLM

@@ -1,8 +1,6 @@
 """The weight-transfer tests' models and trainers, for the engine's own weight tests."""
 
 from tests.weight_transfer.conftest import (  # noqa: F401 - fixtures
-    v1_dir,
     v1_trainer,
-    v2_dir,
     v2_trainer,
 )

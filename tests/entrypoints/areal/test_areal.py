@@ -31,16 +31,6 @@ GROUP = "update_weight_group"
 
 
 @pytest.fixture(scope="module")
-def v1_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def v2_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=1)
-
-
-@pytest.fixture(scope="module")
 def server(v1_dir: Path) -> Iterator[RemoteServer]:
     config = '{"backend": "gloo", "allowed_master_addresses": ["127.0.0.1"]}'
     args = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control",

@@ -36,16 +36,6 @@ ROUND_CLOSED = 'hotswap:weight_round_open{model_name="tiny"} 0.0'
 
 
 @pytest.fixture(scope="module")
-def v1_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def v2_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=1)
-
-
-@pytest.fixture(scope="module")
 def server(v1_dir: Path) -> Iterator[RemoteServer]:
     args = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control",
             "--weight-transfer-config", '{"backend": "gloo"}')  # fmt: skip

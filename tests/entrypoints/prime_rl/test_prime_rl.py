@@ -31,16 +31,6 @@ ROUND_CLOSED = 'hotswap:weight_round_open{model_name="tiny"} 0.0'
 
 
 @pytest.fixture(scope="module")
-def v1_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def v2_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=1)
-
-
-@pytest.fixture(scope="module")
 def output_dir(tmp_path_factory) -> Path:
     """prime-rl's output dir: broadcasts land in broadcasts/step_N."""
     return tmp_path_factory.mktemp("prime-rl-output")

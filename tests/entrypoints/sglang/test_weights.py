@@ -68,16 +68,6 @@ def alongside(request: Callable[[], httpx.Response], trainer: Callable[[], objec
 
 # -- fixtures -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def v1_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def v2_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=1)
-
-
-@pytest.fixture(scope="module")
 def v2_tensors(v2_dir: Path) -> dict[str, torch.Tensor]:
     """The trainer's weights, under checkpoint names (what slime's HF conversion sends)."""
     from transformers import AutoModelForCausalLM

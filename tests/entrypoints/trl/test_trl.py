@@ -8,7 +8,6 @@ import datetime
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -37,16 +36,6 @@ def generate_body(prompts: list, /, **overrides: object) -> dict:
             "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_tokens": 8,
             "logprobs": 0, "structured_outputs_regex": None, "generation_kwargs": {}}  # fmt: skip
     return {**body, **overrides}
-
-
-@pytest.fixture(scope="module")
-def v1_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def v2_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -36,16 +36,6 @@ PROMPT = [5, 17, 42, 8, 99, 3]
 
 
 @pytest.fixture(scope="module")
-def v1_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def v2_dir(tiny_model_factory) -> Path:
-    return tiny_model_factory("llama", seed=1)
-
-
-@pytest.fixture(scope="module")
 def servers(v1_dir):
     """The module's server (a worker extension, gloo), and a plain one (neither), started
     together."""
