@@ -178,3 +178,15 @@ def test_a_commit_that_one_upstream_refuses_is_aborted_on_all(stack) -> None:  #
     assert [a["weight_update_active"] for a in active] == [False, False]
     after = [httpx.get(f"{s.url}/weight_info").json()["weight_version"] for s in upstreams]
     assert after == labels
+
+
+def test_a_client_that_leaves_a_plain_request_aborts_it_upstream(stack) -> None:  # noqa: ANN001
+    router, upstreams = stack
+    before = aborted(upstreams[0])
+    plain = {**LONG, "stream": False}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+        httpx.post(f"{router.url}/v1/completions", json=plain, timeout=1.0,
+                   headers={"X-data-parallel-rank": "0"})  # fmt: skip
+    wait_for(lambda: in_flight(router) == [0, 0])
+    wait_for(lambda: running(upstreams[0]) == 0)
+    assert aborted(upstreams[0]) > before
