@@ -66,6 +66,7 @@ LAYERS = {
     # 5: applications of the engine
     "hotswap.rl": 5,
     "hotswap.entrypoints": 5,
+    "hotswap.entrypoints.router": 5,  # `hotswap route`: over servers, through rl's EngineGroup
     "hotswap.lora.modules": 5,
     "hotswap.__main__": 5,
     # 6: the optional Ray integration; no other module may import it

@@ -1,4 +1,5 @@
-"""`hotswap` command line: `hotswap serve [MODEL]` and `hotswap generate [--model M] PROMPT...`."""
+"""`hotswap` command line: `hotswap serve [MODEL]`, `hotswap route URL...` and
+`hotswap generate [--model M] PROMPT...`."""
 
 from __future__ import annotations
 
@@ -27,7 +28,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n", type=int, default=1)
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
     add_serve_parser(sub)
+    add_route_parser(sub)
     return parser
+
+
+def add_route_parser(sub: argparse._SubParsersAction) -> None:
+    from hotswap.entrypoints.router.pool import RouterConfig
+
+    route = sub.add_parser(
+        "route", help="one OpenAI-compatible front end over several `hotswap serve` instances"
+    )
+    route.add_argument("urls", nargs="+", metavar="URL", help="the upstream servers' base URLs")
+    add_flags(route.add_argument_group("router"), RouterConfig)
+
+
+def run_route(args: argparse.Namespace) -> None:
+    from hotswap.entrypoints.router.app import run_router
+    from hotswap.entrypoints.router.pool import RouterConfig
+
+    for url in args.urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"URL: {url!r} is not an http:// or https:// URL")
+    run_router(args.urls, RouterConfig(**flag_values(RouterConfig, args)))
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -153,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_generate(args)
         elif args.command == "serve":
             run_serve(args)
+        elif args.command == "route":
+            run_route(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"hotswap: error: {e}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ class RemoteServer:
     from /health; `stop()` sends SIGINT (Ctrl-C) and waits for a clean exit."""
 
     def __init__(self, model: Path | str, *args: str, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "hotswap", "serve", str(model), "--port", "0", *args]
+        cmd = [sys.executable, "-m", "hotswap", *self.command(model), "--port", "0", *args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -39,6 +39,9 @@ class RemoteServer:
         self._reader.start()
         self.api_key = _flag_value(args, "--api-key")
         self._wait_healthy()
+
+    def command(self, model: Path | str) -> list[str]:
+        return ["serve", str(model)]
 
     def _wait_for_url(self) -> str:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -106,6 +109,13 @@ class RemoteServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RemoteRouter(RemoteServer):
+    """`python -m hotswap route URL... --port 0 ...` (urls: one string, space-separated)."""
+
+    def command(self, model: Path | str) -> list[str]:
+        return ["route", *str(model).split()]
 
 
 @contextlib.contextmanager
