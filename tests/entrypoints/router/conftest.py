@@ -1,2 +1,2 @@
-# The V1 / V2 tiny checkpoints and trainer models of the weight-transfer tests.
-from tests.weight_transfer.conftest import v1_dir, v2_dir, v2_trainer  # noqa: F401
+# The trainer model of the weight-transfer tests (v1_dir and v2_dir: tests/conftest.py).
+from tests.weight_transfer.conftest import v2_trainer  # noqa: F401
