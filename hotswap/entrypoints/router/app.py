@@ -5,7 +5,8 @@ instances, routed as the data-parallel front end routes its ranks (upstreams.py)
   /generate) and GET /v1/models go to one upstream, named in the answer's
   `X-Hotswap-Upstream`; the upstream's status, headers and body come back unchanged, a
   stream chunk by chunk. A client that goes away cancels the upstream request. An upstream
-  that cannot be reached: 502 naming it.
+  that refuses the connection is routed around for a few seconds (upstreams.DOWN_S) and
+  the request goes to another; a pinned request, or one no upstream takes: 502 naming it.
 - The control plane goes to every upstream (control.py), the weight-update rounds through
   one `EngineGroup` (weights.py): a commit is two-phase over all of them.
 - /health: 200 when every upstream answers its /health with 200; /metrics: the routing
@@ -51,7 +52,9 @@ def response_headers(response: httpx.Response, index: int) -> dict[str, str]:
 
 
 async def forward(router: Router, request: Request) -> Response:
-    """One request to the upstream the balancer picks (see the module docstring)."""
+    """One request to the upstream the balancer picks (see the module docstring); one that
+    refuses the connection (nothing reached it) is routed around and the next one tried,
+    unless the request pinned it."""
     body = await request.body()
     try:
         parsed = json.loads(body) if body else None
@@ -61,12 +64,33 @@ async def forward(router: Router, request: Request) -> Response:
         hints = request_hints(request.headers, parsed, len(router.urls))
     except RoutingError as e:
         return error_response(400, str(e), e.param)
-    index = router.balancer.acquire(hints, prompt_key(parsed))
+    key = prompt_key(parsed)
+    for attempt in range(len(router.urls)):
+        index = router.balancer.acquire(hints, key)
+        try:
+            sending = router.http.send(router.upstream_request(index, request, body), stream=True)
+            upstream = await until_disconnected(request, sending)
+        except httpx.ConnectError as e:
+            router.balancer.release(index)
+            router.balancer.mark_down(index)
+            if hints.pinned is not None or attempt + 1 == len(router.urls):
+                return router.unreachable(index, e)
+            continue
+        except httpx.TransportError as e:
+            router.balancer.release(index)
+            return router.unreachable(index, e)
+        return await answer(router, request, index, upstream)
+    raise AssertionError("unreachable: the loop returns")
+
+
+async def answer(
+    router: Router, request: Request, index: int, upstream: httpx.Response | None
+) -> Response:
+    """The upstream's answer, relayed (a stream chunk by chunk); its slot released once
+    the answer is done."""
     released = False
     try:
-        sending = router.http.send(router.upstream_request(index, request, body), stream=True)
-        upstream = await until_disconnected(request, sending)
-        if upstream is None:
+        if upstream is None:  # the client went away first
             return Response(status_code=499)
         if "text/event-stream" in upstream.headers.get("content-type", ""):
             released = True  # the stream releases it

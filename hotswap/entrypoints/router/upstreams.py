@@ -17,6 +17,7 @@ the server that saw it.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,8 @@ UPSTREAM_HEADER = "X-Hotswap-Upstream"  # the answer's: which upstream served it
 UNBOUNDED = 1 << 30
 HASH_BLOCK = 16  # tokens (or bytes) per hashed block
 HASH_BLOCKS = 1 << 16  # blocks remembered per upstream
+# An upstream that refused a connection is routed around this long, then tried again.
+DOWN_S = 5.0
 
 
 class RoutingError(ValueError):
@@ -96,16 +99,28 @@ class Balancer:
     def __init__(self, policy: str, num_upstreams: int) -> None:
         self.router = DPRouter(policy, num_upstreams, UNBOUNDED, HASH_BLOCK, HASH_BLOCKS)
         self.in_flight = [0] * num_upstreams
+        self.down_until = [0.0] * num_upstreams  # time.monotonic() a refusal's cooldown ends
 
     @property
     def stats(self) -> RoutingStats:
         return self.router.stats
 
-    def acquire(self, hints: Hints, key: list[int]) -> int:
-        """The upstream for a request, counted in flight there until `release`."""
-        index = self.router.choose(list(self.in_flight), hints.session, hints.pinned, key)
+    def acquire(self, hints: Hints, key: list[int], now: float | None = None) -> int:
+        """The upstream for a request, counted in flight there until `release`. An
+        upstream cooling down after a refused connection counts as full, so only a pin
+        sends a request there while another is up (a session on it moves)."""
+        now = time.monotonic() if now is None else now
+        loads = [UNBOUNDED if self.down_until[i] > now else n
+                 for i, n in enumerate(self.in_flight)]  # fmt: skip
+        if all(load == UNBOUNDED for load in loads):
+            loads = list(self.in_flight)  # all down: try them as they are
+        index = self.router.choose(loads, hints.session, hints.pinned, key)
         self.in_flight[index] += 1
         return index
+
+    def mark_down(self, index: int, now: float | None = None) -> None:
+        """Upstream `index` refused a connection: route around it for DOWN_S."""
+        self.down_until[index] = (time.monotonic() if now is None else now) + DOWN_S
 
     def release(self, index: int) -> None:
         self.in_flight[index] -= 1

@@ -72,7 +72,7 @@ def running(server: RemoteServer) -> int:
 def test_a_session_sticks_to_its_upstream_and_keyless_requests_spread(stack) -> None:  # noqa: ANN001
     """Each turn of a session goes where its first went while long requests keep that
     upstream busier (least-loaded routing would send the turns to the other), where a
-    keyless request goes; the long ones, left by their client, are aborted upstream."""
+    keyless request goes; the long ones, left by their client, are released."""
     router, upstreams = stack
     client = router.openai()
 
@@ -85,7 +85,6 @@ def test_a_session_sticks_to_its_upstream_and_keyless_requests_spread(stack) -> 
         return int(raw.headers[UPSTREAM_HEADER])
 
     home = turn(0)
-    before = aborted(upstreams[home])
     with contextlib.ExitStack() as busy:
         http, readers = busy.enter_context(router.client()), []
         for _ in range(BUSY):  # pinned by the router's own X-data-parallel-rank
@@ -97,11 +96,12 @@ def test_a_session_sticks_to_its_upstream_and_keyless_requests_spread(stack) -> 
             next(readers[-1])  # admitted
         assert [turn(i) for i in range(1, 4)] == [home] * 3
         assert turn(9, session=None) == 1 - home  # keyless: to the least-loaded
-        assert in_flight(router)[home] == BUSY  # the long ones were running throughout
-    wait_for(lambda: in_flight(router) == [0, 0])  # the client left: the streams released
-    # the upstream ran them no further: aborted, not finished (at least those not done yet)
+        assert in_flight(router)[home] == BUSY  # the long ones were in flight throughout
+    # The client left: the router released them. (Whether the upstream still ran them is
+    # a race with the tiny model's speed, since an engine generates whether or not its
+    # client reads; the plain-request test below checks an abort upstream.)
+    wait_for(lambda: in_flight(router) == [0, 0])
     wait_for(lambda: running(upstreams[home]) == 0)
-    assert aborted(upstreams[home]) > before
     metrics = httpx.get(f"{router.url}/metrics").text
     assert "hotswap_router:session_hits 3" in metrics
     assert f"hotswap_router:pinned {BUSY}" in metrics

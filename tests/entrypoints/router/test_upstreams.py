@@ -12,6 +12,7 @@ import pytest
 
 from hotswap.entrypoints.router.app import RouterConfig, build_app
 from hotswap.entrypoints.router.upstreams import (
+    DOWN_S,
     UPSTREAM_HEADER,
     Balancer,
     Hints,
@@ -66,6 +67,20 @@ def test_balancer_sessions_stick_keyless_spread_pins_win() -> None:
     text = prometheus_text(stats, balancer.in_flight, ["http://a", "http://b"])
     assert "hotswap_router:session_hits 1" in text
     assert f'hotswap_router:routed{{upstream="{first}",url="http://{"ab"[first]}"}} 3' in text
+
+
+def test_an_upstream_that_refused_is_routed_around_until_its_cooldown_ends() -> None:
+    balancer = Balancer("session", 2)
+    assert balancer.acquire(Hints("s"), [], now=100.0) == 0
+    balancer.release(0)
+    balancer.mark_down(0, now=100.0)
+    assert balancer.acquire(Hints("s"), [], now=101.0) == 1  # the session moves
+    assert balancer.acquire(Hints(), [], now=101.0) == 1  # though 0 is less loaded
+    assert balancer.acquire(Hints(pinned=0), [], now=101.0) == 0  # a pin still goes there
+    assert balancer.acquire(Hints(), [], now=100.0 + DOWN_S) == 0  # tried again
+    balancer.mark_down(0, now=200.0)
+    balancer.mark_down(1, now=200.0)
+    assert balancer.acquire(Hints(), [], now=201.0) in (0, 1)  # all down: tried anyway
 
 
 def test_balancer_cache_aware_follows_the_prefix() -> None:
@@ -157,5 +172,25 @@ def test_dead_upstreams_give_502_naming_them() -> None:
             r = await client.get("/health")
             assert r.status_code == 503 and r.json()["healthy"] is False
             assert "in_flight" in (await client.get("/metrics")).text
+
+    asyncio.run(run())
+
+
+def test_a_request_goes_to_another_upstream_when_one_refuses_the_connection() -> None:
+    def refusing_a(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "a":
+            raise httpx.ConnectError("connection refused", request=request)
+        return _fake(request)
+
+    async def run() -> None:
+        async with _app(["http://a", "http://b"], refusing_a) as client:
+            for _ in range(2):  # the first tries a, then b; the second goes to b at once
+                r = await client.post("/v1/completions", json={"prompt": "x"})
+                assert r.status_code == 200 and r.headers[UPSTREAM_HEADER] == "1", r.text
+            router = client._transport.app.state.router  # type: ignore[attr-defined]
+            assert router.balancer.in_flight == [0, 0]
+            assert router.balancer.stats.routed == [1, 2]
+            r = await client.post("/v1/completions", json={}, headers={"X-data-parallel-rank": "0"})
+            assert r.status_code == 502 and "upstream 0 (http://a)" in r.text  # pinned
 
     asyncio.run(run())
