@@ -24,6 +24,7 @@ from hotswap.engine.errors import EngineDeadError, EngineStateError, InvalidArgu
 from hotswap.engine.messages import CallError, EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import (
+    MAX_SESSION_ID_CHARS,
     Prompt,
     check_kv_retention,
     check_priority,
@@ -41,8 +42,6 @@ from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
 from hotswap.weight_transfer.inline import inline_tensors
-
-MAX_SESSION_ID_CHARS = 256  # a session key is a name, not a payload
 
 
 def _is_int(value: object) -> bool:

@@ -72,6 +72,7 @@ def check_priority(priority: object) -> int:
 
 
 MAX_KV_RETENTION_S = 3600.0  # an hour: a tool call, not a cache policy
+MAX_SESSION_ID_CHARS = 256  # a session key is a name, not a payload
 
 
 def check_kv_retention(seconds: object) -> float:

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from hotswap.engine.prompts import MAX_KV_RETENTION_S, MAX_SESSION_ID_CHARS
 from hotswap.entrypoints.server.limits import CheckedModel
 
 I64 = 2**63
@@ -34,8 +35,8 @@ MAX_N = 1024
 
 Int64 = Annotated[int, Field(ge=-I64, lt=I64)]
 NonNegInt64 = Annotated[int, Field(ge=0, lt=I64)]
-SessionId = Annotated[str, Field(min_length=1, max_length=256)]  # AsyncLLM's bound
-KVRetention = Annotated[float, Field(ge=0, le=3600)]  # seconds (prompts.MAX_KV_RETENTION_S)
+SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)]
+KVRetention = Annotated[float, Field(ge=0, le=MAX_KV_RETENTION_S)]  # seconds
 
 
 class RequestModel(CheckedModel):
