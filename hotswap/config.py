@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hotswap.errors import InvalidArgument
+from hotswap.quantization.fp8 import Fp8Config
 from hotswap.weight_transfer.config import WeightTransferConfig
 
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -73,6 +74,8 @@ class ModelConfig:
     # The final norm and LM head run in this dtype (None: `dtype`). float32 with a bf16
     # body keeps the logprobs an RL trainer compares against close to an fp32 trainer's.
     head_dtype: torch.dtype | None = None
+    # --quantization fp8 or the checkpoint's quantization_config: FP8 linear weights
+    quantization: Fp8Config | None = None
 
     @property
     def architecture(self) -> str:
@@ -198,12 +201,66 @@ def check_class_path(path: str | None) -> str | None:
     return path
 
 
-def read_hf_config(model_dir: Path) -> dict[str, Any]:
+def read_hf_config(
+    model_dir: Path, overrides: str | dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """config.json, with vLLM's --hf-overrides (a JSON object) merged over its top level."""
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"model: {config_path} not found")
     with config_path.open() as f:
-        return json.load(f)
+        config = json.load(f)
+    if isinstance(overrides, str) and overrides:
+        try:
+            overrides = json.loads(overrides)
+        except ValueError as e:
+            raise InvalidArgument("hf_overrides", f"hf_overrides: not JSON ({e})") from None
+    if overrides is not None and not isinstance(overrides, dict):
+        raise InvalidArgument("hf_overrides", "hf_overrides: must be a JSON object")
+    return {**config, **(overrides or {})}
+
+
+QUANTIZATION_METHODS = ("fp8",)  # vLLM's --quantization values hotswap serves
+
+
+def resolve_quantization(method: str | None, hf_config: dict[str, Any]) -> Fp8Config | None:
+    """vLLM's rule: the checkpoint's (or --hf-overrides') quantization_config says how its
+    weights are quantized, and --quantization, when given, must agree; --quantization fp8
+    alone quantizes a bf16/fp32 checkpoint on load (here blockwise, 128 x 128)."""
+    declared = hf_config.get("quantization_config")
+    if method is None and declared is None:
+        return None
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise InvalidArgument("quantization", f"quantization: {method!r} is not served; choose fp8")
+    return Fp8Config.from_hf(declared)
+
+
+def check_quantized_transfer(
+    transfer: WeightTransferConfig, quantization: Fp8Config | None, per_rank: bool
+) -> None:
+    """What quantize-on-receipt does not cover yet, refused at start: the double buffer,
+    and backends whose every rank receives its own parts (m2n), write received tensors
+    straight into the weights' storage."""
+    if quantization is None:
+        return
+    if transfer.double_buffer or per_rank:
+        what = "double_buffer" if transfer.double_buffer else "backend"
+        raise InvalidArgument(
+            f"weight_transfer_config.{what}",
+            f"weight_transfer_config.{what}: not supported with --quantization fp8 yet "
+            f"(its writes bypass quantization on receipt)",
+        )
+
+
+def parse_head_dtype(value: str | None) -> torch.dtype | None:
+    """--lm-head-dtype (None: the model's dtype)."""
+    if value is None:
+        return None
+    try:
+        return parse_dtype(value)
+    except ValueError as e:
+        message = str(e).replace("dtype:", "lm_head_dtype:", 1)
+        raise InvalidArgument("lm_head_dtype", message) from None
 
 
 def check_positive(name: str, value: int) -> None:
@@ -264,6 +321,13 @@ def check_ray_installed(field: str) -> None:
         raise InvalidArgument(
             field, f"{field}: 'ray' needs Ray, which is not installed: pip install 'hotswap[ray]'"
         )
+
+
+def check_attention_backend(value: str | None) -> str | None:
+    if value is None:
+        return None
+    name = str(value).upper()  # vLLM's enum names, any case
+    return check_choice("attention_backend", name, ATTENTION_BACKENDS)
 
 
 def check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:

@@ -11,13 +11,12 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from hotswap.config import (
     ATTENTION_BACKENDS,
     DEFAULT_KV_CACHE_BYTES,
     DP_ROUTING,
     LOGPROBS_MODES,
+    QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -25,19 +24,24 @@ from hotswap.config import (
     ModelConfig,
     SchedulerConfig,
     allowed_weight_dirs,
+    check_attention_backend,
     check_choice,
     check_class_path,
     check_data_parallel_backend,
     check_device,
     check_logprobs_mode,
     check_positive,
+    check_quantized_transfer,
     check_ray_installed,
     parse_dtype,
+    parse_head_dtype,
     read_hf_config,
     resolve_model_path,
+    resolve_quantization,
 )
 from hotswap.errors import InvalidArgument
 from hotswap.generation_config import default_sampling
+from hotswap.quantization.fp8 import Fp8Config
 from hotswap.weight_transfer.config import ENGINE_BACKENDS, WeightTransferConfig
 
 
@@ -90,6 +94,11 @@ class EngineArgs:
         "auto", "auto: the checkpoint's weights; dummy: random ones", choices=("auto", "dummy")
     )
     device: str = arg("cpu", "cpu, cuda or cuda:N")
+    quantization: str | None = arg(None, "fp8: FP8 e4m3 linear weights, per-block scales "
+                                   "(vLLM's flag); bf16 weights quantized on load and receipt",
+                                   choices=QUANTIZATION_METHODS, aliases=("-q",))  # fmt: skip
+    hf_overrides: str | dict[str, Any] | None = arg(
+        None, "JSON object over the model's config.json (vLLM's flag)", metavar="JSON")  # fmt: skip
     # With CUDA, rank i runs on the device's index + i (backend "ray": on the GPU Ray gives).
     data_parallel_size: int = arg(
         1, "engine cores behind one server (requests balanced, control calls fanned out)"
@@ -240,7 +249,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         model_dir = resolve_model_path(self.model)
-        hf_config = read_hf_config(model_dir)
+        hf_config = read_hf_config(model_dir, self.hf_overrides)
         model_cfg = ModelConfig(
             path=model_dir,
             hf_config=hf_config,
@@ -248,7 +257,8 @@ class EngineArgs:
             max_model_len=self._resolve_max_model_len(hf_config),
             load_format=check_choice("load_format", self.load_format, ("auto", "dummy")),
             seed=self.seed,
-            head_dtype=self._head_dtype(),
+            head_dtype=parse_head_dtype(self.lm_head_dtype),
+            quantization=resolve_quantization(self.quantization, hf_config),
         )
         check_positive("data_parallel_size", self.data_parallel_size)
         check_choice("dp_routing", self.dp_routing, DP_ROUTING)
@@ -264,7 +274,7 @@ class EngineArgs:
             device=check_device(self.device),
             tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
             enable_sleep_mode=self.enable_sleep_mode,
-            weight_transfer=self._weight_transfer_config(),
+            weight_transfer=self._weight_transfer_config(model_cfg.quantization),
             data_parallel_rank=self.data_parallel_rank,
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self._executor_backend(),
@@ -273,7 +283,7 @@ class EngineArgs:
             worker_extension_cls=check_class_path(self.worker_extension_cls),
             enforce_eager=bool(self.enforce_eager),
             cpu_kernels=bool(self.cpu_kernels),
-            attention_backend=self._attention_backend(),
+            attention_backend=check_attention_backend(self.attention_backend),
             prepack_weights=bool(self.prepack_weights),
             default_sampling=default_sampling(
                 self.generation_config, model_dir, self.override_generation_config
@@ -282,18 +292,14 @@ class EngineArgs:
             return_routed_experts=bool(self.enable_return_routed_experts),
         )
 
-    def _attention_backend(self) -> str | None:
-        if self.attention_backend is None:
-            return None
-        name = str(self.attention_backend).upper()  # vLLM's enum names, any case
-        return check_choice("attention_backend", name, ATTENTION_BACKENDS)
-
-    def _weight_transfer_config(self) -> WeightTransferConfig | None:
+    def _weight_transfer_config(self, quant: Fp8Config | None) -> WeightTransferConfig | None:
         config = WeightTransferConfig.parse(self.weight_transfer_config)
-        if config is None or not config.double_buffer:
+        if config is None:
             return config
         backend = ENGINE_BACKENDS.get(config.backend)  # unknown: refused at the engine's start
-        if backend is not None and backend.every_rank_receives:
+        per_rank = backend is not None and backend.every_rank_receives
+        check_quantized_transfer(config, quant, per_rank)
+        if config.double_buffer and per_rank:
             # every rank receives its own parts into its stage, written at the commit
             raise InvalidArgument(
                 "weight_transfer_config.double_buffer",
@@ -339,15 +345,6 @@ class EngineArgs:
                 f"max_cpu_loras: {cpu} is smaller than max_loras ({self.max_loras})",
             )
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
-
-    def _head_dtype(self) -> torch.dtype | None:
-        if self.lm_head_dtype is None:
-            return None
-        try:
-            return parse_dtype(self.lm_head_dtype)
-        except ValueError as e:
-            message = str(e).replace("dtype:", "lm_head_dtype:", 1)
-            raise InvalidArgument("lm_head_dtype", message) from None
 
     def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:
         limit = int(hf_config.get("max_position_embeddings") or 2048)

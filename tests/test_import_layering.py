@@ -35,6 +35,7 @@ LAYERS = {
     "hotswap.weight_transfer.config": 0,
     "hotswap.weight_transfer.dtypes": 0,
     "hotswap.errors": 0,
+    "hotswap.quantization": 0,  # FP8 configs and the quantizer (tensors in, tensors out)
     "hotswap.lora": 0,  # the package itself (empty); its modules by their own layers
     "hotswap.lora.request": 0,
     "hotswap.structured_output": 0,

@@ -13,6 +13,7 @@ from torch import nn
 
 from hotswap.model.kernels import LayerKernels
 from hotswap.model.packed import PackedWeight
+from hotswap.model.quantized import fp8_linear
 
 # Batch-invariant mode runs every matmul on fixed-shape row tiles: CPU GEMM kernels pick
 # their reduction order from the problem shape, so a row's result would otherwise depend on
@@ -40,6 +41,8 @@ def use_kernels(model: nn.Module, kernels: LayerKernels | None) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
             module.matvec = matvec
+            if module.fp8 is not None:
+                module.fp8.kernels = kernels
         elif hasattr(module, "kernels"):  # norms, attention (RoPE), MLPs
             module.kernels = kernels
 
@@ -89,6 +92,9 @@ class Linear(nn.Module):
         # set by the runner when its kernels apply / weights are prepacked
         self.matvec: MatVec | None = None
         self.packed: PackedWeight | None = None
+        # FP8 storage (model/quantized.py quantize_linear): `weight` holds e4m3 codes, a
+        # `weight_scale_inv` parameter their block scales, this their layout
+        self.fp8: Any = None
         # adapter slots (lora/layers.py LinearLoRA), set by the runner with --enable-lora
         self.lora: Any = None
         # Row-parallel (tensor parallelism): this rank's product is a partial sum over its
@@ -98,7 +104,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.reduce is None else None
-        if self.batch_invariant:
+        if self.fp8 is not None:
+            invariant = tiled_linear if self.batch_invariant else None
+            out = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8, bias, invariant)
+        elif self.batch_invariant:
             out = tiled_linear(x, self.weight, bias)
         else:
             out = linear(x, self.weight, bias, self.matvec, self.packed)

@@ -14,6 +14,7 @@ from hotswap.errors import InvalidArgument
 from hotswap.model.attention import AttentionBackend
 from hotswap.model.models.registry import get_model_class
 from hotswap.model.parallel import TPGroup
+from hotswap.model.quantized import SCALE_NAME
 from hotswap.weights.checkpoint import iter_safetensors, num_tensors, safetensors_files
 
 
@@ -32,6 +33,8 @@ def build_model(
         model = model_cls(
             config.hf_config, config.dtype, backend, batch_invariant, config.head_dtype, tp
         )
+        if config.quantization is not None:
+            model.quantize(config.quantization)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
@@ -62,7 +65,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(SCALE_NAME):  # FP8 codes then stand for values
                 param.fill_(1.0)
             elif name.endswith("bias"):
                 param.zero_()

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hotswap.errors import InvalidArgument
+from hotswap.model.quantized import receipt_refusal
 from hotswap.weight_transfer.base import ParamMeta
 
 
@@ -41,6 +42,9 @@ class WeightTargets:
         if expected is None:
             return None  # a name the model ignores (e.g. rotary inv_freq)
         shape, floating, dtype = expected
+        refused = receipt_refusal(meta.name, meta.dtype, dtype, checkpoint, sparse)
+        if refused is not None:
+            return refused
         if shape != meta.shape:
             return "shape", (
                 f"weights: shape mismatch for {meta.name!r}: sent {list(meta.shape)}, "
@@ -94,7 +98,11 @@ class WeightTargets:
             target = self.model.checkpoint_view(name)
             if target is not None:
                 keys.add(target[0])
-        return sorted(self.model.expected_checkpoint_keys() - self.model.expand_keys(keys))
+        keys = self.model.expand_keys(keys)
+        scale_keys = getattr(self.model, "scale_keys", None)  # FP8: quantized on receipt
+        if scale_keys is not None:
+            keys |= scale_keys(keys)
+        return sorted(self.model.expected_checkpoint_keys() - keys)
 
     def check_complete(self, staged: set[str], checkpoint: bool) -> None:
         missing = self.missing(staged, checkpoint)

@@ -208,3 +208,22 @@ def test_a_worker_extension_runs_on_every_rank_over_its_share(tiny_model_factory
     finally:
         single.shutdown()
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_fp8_weights_split_over_two_ranks(model_dir) -> None:  # noqa: ANN001
+    """Each rank quantizes its share of what it loads: with shares of whole blocks, two
+    ranks hold the one rank's codes and generate what it does; a block the shares do not
+    divide is refused naming it."""
+    fp8 = {"quantization": "fp8", "hf_overrides": {"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [16, 16]}}}  # fmt: skip
+    single = run(make(model_dir, 1, **fp8))
+    llm = make(model_dir, 2, **fp8)
+    try:
+        assert_same(single, run(llm))
+    finally:
+        llm.shutdown()
+    coarse = {**fp8, "hf_overrides": {"quantization_config": {"weight_block_size": [64, 64]}}}
+    with pytest.raises(InvalidArgument) as refused:
+        make(model_dir, 2, **coarse)
+    assert refused.value.field == "quantization_config.weight_block_size"

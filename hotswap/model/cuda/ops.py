@@ -229,7 +229,8 @@ def layer_kernels() -> LayerKernels:
     gpu = torch.ops.hotswap_gpu
     return LayerKernels(gemv=None, rms_norm=gpu.rms_norm, add_rms_norm=gpu.add_rms_norm,
                         rotary_embedding=gpu.rotary_embedding_, silu_and_mul=gpu.silu_and_mul,
-                        head_rms_norm=gpu.head_rms_norm_, fused_moe=gpu.fused_moe)  # fmt: skip
+                        head_rms_norm=gpu.head_rms_norm_, fused_moe=gpu.fused_moe,
+                        fp8_gemv=None, fp8_linear_tiles=None, fp8_dequantize=None)  # fmt: skip
 
 
 _LIBRARY = torch.library.Library("hotswap_gpu", "DEF")

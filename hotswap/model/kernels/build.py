@@ -162,6 +162,18 @@ def _register_fakes() -> None:
     def _(input, weight):  # noqa: ANN001, ANN202, A002
         return input.new_empty(input.shape[0], weight.shape[0])
 
+    @torch.library.register_fake("hotswap_cpu::fp8_gemv")
+    def _(input, codes, scale, scale_rows, block_k):  # noqa: ANN001, ANN202, A002
+        return input.new_empty(input.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("hotswap_cpu::fp8_linear_tiles")
+    def _(input, codes, scale, scale_rows, block_k):  # noqa: ANN001, ANN202, A002
+        return input.new_empty(input.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("hotswap_cpu::fp8_dequantize")
+    def _(codes, scale, scale_rows, block_k, dtype):  # noqa: ANN001, ANN202
+        return codes.new_empty(codes.shape, dtype=dtype)
+
     @torch.library.register_fake("hotswap_cpu::rms_norm")
     def _(input, weight, eps):  # noqa: ANN001, ANN202, A002
         return input.new_empty(input.shape, dtype=weight.dtype)

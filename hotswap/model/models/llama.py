@@ -26,6 +26,8 @@ from hotswap.model.models.sharding import (
 from hotswap.model.models.spec import DecoderSpec
 from hotswap.model.packed import PackedWeight, packed_copy
 from hotswap.model.parallel import ShardSlice, TPGroup, check_whole_shape
+from hotswap.model.quantized import SCALE_NAME, quantize_linear, write_quantized
+from hotswap.quantization.fp8 import FP8_DTYPE, Fp8Config
 
 # checkpoint projection name -> (fused parameter name, shard index)
 _FUSED_SHARDS = {
@@ -37,6 +39,9 @@ _FUSED_SHARDS = {
 }
 _SHARD_SOURCES = {fused_shard: proj for proj, fused_shard in _FUSED_SHARDS.items()}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Linear layers FP8 leaves in the model dtype, as vLLM does: a mixture of experts' router
+# and shared-expert gate (their logits decide routing).
+_UNQUANTIZED_SUFFIXES = (".gate", ".shared_expert_gate")
 
 
 class LlamaForCausalLM(nn.Module):
@@ -125,6 +130,37 @@ class LlamaForCausalLM(nn.Module):
         use_kernels(self, kernels)
         self.matvec = kernels.gemv if kernels is not None else None
 
+    def quantize(self, config: Fp8Config) -> None:
+        """FP8 storage for the linear layers `config` quantizes, before any weight is
+        loaded; each checkpoint tensor of a fused layer keeps its own block grid. Under
+        tensor parallelism every rank's share must be whole blocks (vLLM's rule), or a
+        rank's blocks would not be the checkpoint's."""
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear) or name.endswith(_UNQUANTIZED_SUFFIXES):
+                continue
+            if config.quantizes(name):
+                sizes = self.shard_sizes(name)
+                if self.tp.parallel:
+                    check_rank_blocks(name, sizes, module.weight.shape[1], config.block)
+                quantize_linear(module, sizes, config)
+        self._parameter_index = self._expected_keys = None
+
+    def scale_keys(self, keys: set[str]) -> set[str]:
+        """The scale keys a round's weight `keys` also wrote (quantized on receipt)."""
+        scales = set()
+        for key in keys:
+            name, _, shard = key.partition("#")
+            if name.endswith(".weight") and self._quantized(name) is not None:
+                scales.add(f"{name[: -len('weight')]}{SCALE_NAME}" + (f"#{shard}" if shard else ""))
+        return scales
+
+    def _quantized(self, param_name: str) -> nn.Module | None:
+        """The FP8 linear layer whose codes `param_name` is, if it is one."""
+        if not param_name.endswith(".weight"):
+            return None
+        module = self.get_submodule(param_name[: -len(".weight")])
+        return module if getattr(module, "fp8", None) is not None else None
+
     def prepack(self, kernels: CpuKernels | None = None) -> list[PackedWeight]:
         """Give every bf16 linear layer and the LM head packed copies (with `kernels`' AMX
         tiles where they apply), made now (not inside the first large step); returns them,
@@ -161,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             target = self._map_name(name)
             if target is not None:
-                loaded.add(self._load_one(params, name, target, tensor))
+                loaded |= self._load_one(params, name, target, tensor)
         return self.expand_keys(loaded)
 
     def _load_one(
@@ -170,9 +206,9 @@ class LlamaForCausalLM(nn.Module):
         name: str,
         target: tuple[str, Any],
         tensor: torch.Tensor,
-    ) -> str:
+    ) -> set[str]:
         """Checkpoint tensor `name` (whole) into this rank's share of `target` (its
-        `_map_name`); returns its key."""
+        `_map_name`); returns its key, and its scales' where it was quantized here."""
         param_name, shard = target
         if param_name not in params:
             raise ValueError(f"weights: unknown parameter {name!r} (maps to {param_name!r})")
@@ -180,8 +216,19 @@ class LlamaForCausalLM(nn.Module):
         check_whole_shape(
             name, tensor, dest.shape if piece is None else piece.full_shape(dest.shape)
         )
-        dest.copy_(tensor if piece is None else piece.take(tensor))
-        return self._key(param_name, shard)
+        part = tensor if piece is None else piece.take(tensor)
+        key = self._key(param_name, shard)
+        owner = self._quantized(param_name)
+        if owner is not None and part.dtype != FP8_DTYPE:
+            write_quantized(owner, shard, dest, part)
+            return {key, self._key(param_name[: -len("weight")] + SCALE_NAME, shard)}
+        if part.dtype == FP8_DTYPE and (owner is None or self.tp.parallel):
+            raise ValueError(
+                f"weights: {name!r} is FP8; FP8 checkpoints load into an FP8 model "
+                f"(quantization_config) without tensor parallelism"
+            )
+        dest.copy_(part)
+        return {key}
 
     def expected_checkpoint_keys(self) -> set[str]:
         """What load_weights must have seen for the model to be complete (fused params
@@ -193,9 +240,9 @@ class LlamaForCausalLM(nn.Module):
     def _list_expected_keys(self) -> set[str]:
         keys = set()
         for name, _ in self.named_parameters():
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            if name.endswith(_fused("qkv_proj")):
                 keys.update(f"{name}#{i}" for i in range(3))
-            elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+            elif name.endswith(_fused("gate_up_proj")):
                 keys.update(f"{name}#{i}" for i in range(2))
             else:
                 keys.add(name)
@@ -287,6 +334,26 @@ class LlamaForCausalLM(nn.Module):
     def _shard_view(self, param: torch.Tensor, name: str, shard: Any) -> torch.Tensor:
         if shard is None:
             return param.data
+        if name.endswith(SCALE_NAME):  # a fused FP8 layer's scales, one grid per shard
+            return self.get_submodule(name.rsplit(".", 1)[0]).fp8.scale_view(param.data, shard)
         sizes = self.shard_sizes(name.rsplit(".", 1)[0])
         start = sum(sizes[:shard])
         return param.data.narrow(0, start, sizes[shard])
+
+
+def _fused(module: str) -> tuple[str, ...]:
+    """A fused layer's parameters, each loaded from one checkpoint tensor per shard."""
+    return tuple(f"{module}.{kind}" for kind in ("weight", "bias", SCALE_NAME))
+
+
+def check_rank_blocks(
+    name: str, sizes: list[int], in_features: int, block: tuple[int, int]
+) -> None:
+    """A rank's rows of each shard and its input columns are whole FP8 blocks."""
+    if any(size % block[0] for size in sizes) or in_features % block[1]:
+        raise InvalidArgument(
+            "quantization_config.weight_block_size",
+            f"quantization_config.weight_block_size: {list(block)} does not divide "
+            f"{name}'s share on this rank (rows {sizes}, columns {in_features}); choose "
+            f"a block that does, or a smaller tensor_parallel_size",
+        )

@@ -105,6 +105,14 @@ at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tenso
 void write_kv_tiles(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_tiles,
                     at::Tensor& value_tiles, const at::Tensor& slot_mapping);
 at::Tensor gemv(const at::Tensor& input, const at::Tensor& weight);
+at::Tensor fp8_gemv(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scale,
+                    const at::Tensor& scale_rows, int64_t block_k);
+at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scale,
+                          const at::Tensor& scale_rows, int64_t block_k, at::ScalarType dtype);
+bool fp8_tiles_built();
+at::Tensor fp8_linear_tiles(const at::Tensor& input, const at::Tensor& codes,
+                            const at::Tensor& scale, const at::Tensor& scale_rows,
+                            int64_t block_k);
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                         double eps);

@@ -1,0 +1,299 @@
+// Linear layers over blockwise FP8 weights (e4m3 codes, one float32 scale per block of
+// block_k input columns and some output rows): a GEMV for the few rows of a decode step
+// that reads each code once (half the bytes of a bf16 weight), and a dequantization into
+// the activation dtype for larger products.
+//
+// Which scale row an output row uses is given per row (`scale_rows`): a fused weight
+// (q/k/v, gate/up) keeps each checkpoint tensor's own block grid, as a checkpoint or a
+// trainer quantizes them one by one.
+//
+// Decoding a code: its 7 magnitude bits placed at bits 13..7 of a float16 become that
+// float16's exponent and top mantissa bits, and the sign goes to bit 15; the float16 then
+// equals the e4m3 value times 2^-8 exactly, subnormals included (both formats' subnormals
+// scale alike). The CPU's float16 -> float32 conversion widens a vector of them at once,
+// and the 2^8 is folded into each block's scale.
+#include "common.h"
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace hotswap {
+namespace {
+
+constexpr float kHalfShift = 256.f;  // 2^8: a decoded float16 is the code's value / 2^8
+constexpr int64_t kRowsPerTask = 64;
+constexpr int64_t kPrefetchRows = 16;
+
+inline float code_value(uint8_t code) {  // the code's value / 2^8, exactly
+  const uint16_t bits = static_cast<uint16_t>(((code & 0x80) << 8) | ((code & 0x7F) << 7));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// kLanes codes as float32 (each the code's value / 2^8). Sign-extended to 16 bits and
+// shifted left by 7, a code's sign lands on bit 15 (and a copy on bit 14, cleared) and its
+// magnitude on bits 13..7.
+inline FVec widen_codes(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i half = _mm256_and_si256(_mm256_slli_epi16(c, 7), _mm256_set1_epi16(-0x4001));
+  return FVec(_mm512_cvtph_ps(half));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i c = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i half = _mm_and_si128(_mm_slli_epi16(c, 7), _mm_set1_epi16(-0x4001));
+  return FVec(_mm256_cvtph_ps(half));
+#else
+  float values[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) values[i] = code_value(p[i]);
+  return FVec::loadu(values);
+#endif
+}
+
+struct Fp8Weight {
+  const uint8_t* codes;     // [N, K]
+  const float* scale;       // [scale rows, KB]
+  const int32_t* rows;      // [N]: each output row's scale row
+  int64_t N, K, KB, block_k;
+  const float* scales_of(int64_t n) const { return scale + rows[n] * KB; }
+};
+
+// y[m, n .. n + NR) for MR input rows (float32, [MR, K]): per block, float32 sums of
+// code x input (MR x NR independent chains), then times each row's block scale.
+template <int MR, int NR>
+void dot_block(const float* x, const Fp8Weight& w, int64_t n, float* y) {
+  FVec total[MR][NR];
+  float tail[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) total[m][r] = FVec(0.f), tail[m][r] = 0.f;
+  const char* ahead = reinterpret_cast<const char*>(w.codes + (n + kPrefetchRows) * w.K);
+  const char* end = reinterpret_cast<const char*>(w.codes + w.N * w.K);
+  for (int64_t kb = 0; kb < w.KB; ++kb) {
+    const int64_t k0 = kb * w.block_k, k1 = std::min(w.K, k0 + w.block_k);
+    const int64_t kmain = k0 + (k1 - k0) / kLanes * kLanes;
+    FVec acc[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < NR; ++r) acc[m][r] = FVec(0.f);
+    for (int64_t k = k0; k < kmain; k += kLanes) {
+      FVec wv[NR];
+      for (int r = 0; r < NR; ++r) {
+        const char* line = ahead + r * w.K + k;
+        if (k % 64 == 0 && line < end) __builtin_prefetch(line, 0, 3);
+        wv[r] = widen_codes(w.codes + (n + r) * w.K + k);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const FVec xv = FVec::loadu(x + m * w.K + k);
+        for (int r = 0; r < NR; ++r) acc[m][r] = at::vec::fmadd(wv[r], xv, acc[m][r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const float s = w.scales_of(n + r)[kb] * kHalfShift;
+      const uint8_t* row = w.codes + (n + r) * w.K;
+      for (int m = 0; m < MR; ++m) {
+        total[m][r] = at::vec::fmadd(acc[m][r], FVec(s), total[m][r]);
+        for (int64_t k = kmain; k < k1; ++k) tail[m][r] += code_value(row[k]) * x[m * w.K + k] * s;
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) y[m * w.N + n + r] = reduce_sum(total[m][r]) + tail[m][r];
+}
+
+// Weight rows [n0, n1): four at a time for one or two input rows, two at a time for more
+// (their accumulators fill the registers), input rows four at a time.
+template <int MR>
+void dot_rows(const float* x, const Fp8Weight& w, int64_t n0, int64_t n1, float* y) {
+  constexpr int NR = MR <= 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) dot_block<MR, NR>(x, w, n, y);
+  for (; n < n1; ++n) dot_block<MR, 1>(x, w, n, y);
+}
+
+void gemv_rows(const float* x, int64_t M, const Fp8Weight& w, int64_t n0, int64_t n1, float* y) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const float* xm = x + m * w.K;
+    float* ym = y + m * w.N;
+    switch (std::min<int64_t>(4, M - m)) {
+      case 1: dot_rows<1>(xm, w, n0, n1, ym); break;
+      case 2: dot_rows<2>(xm, w, n0, n1, ym); break;
+      case 3: dot_rows<3>(xm, w, n0, n1, ym); break;
+      default: dot_rows<4>(xm, w, n0, n1, ym); break;
+    }
+  }
+}
+
+Fp8Weight check_weight(const at::Tensor& codes, const at::Tensor& scale,
+                       const at::Tensor& scale_rows, int64_t block_k, const char* op) {
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kFloat8_e4m3fn && codes.is_contiguous(),
+              op, ": codes must be a contiguous [N, K] float8_e4m3fn tensor");
+  TORCH_CHECK(block_k > 0 && block_k % 16 == 0, op, ": block_k must be a multiple of 16");
+  const int64_t N = codes.size(0), K = codes.size(1), KB = (K + block_k - 1) / block_k;
+  TORCH_CHECK(scale.dim() == 2 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.size(1) == KB,
+              op, ": scale must be a contiguous float32 [rows, ceil(K / block_k)] tensor");
+  TORCH_CHECK(scale_rows.dim() == 1 && scale_rows.size(0) == N &&
+                  scale_rows.scalar_type() == at::kInt && scale_rows.is_contiguous(),
+              op, ": scale_rows must be int32 [N]");
+  const int32_t* rows = scale_rows.data_ptr<int32_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(rows[n] >= 0 && rows[n] < scale.size(0), op, ": scale row out of range");
+  return {static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), rows, N, K, KB,
+          block_k};
+}
+
+template <typename T>
+void dequantize_rows(const Fp8Weight& w, T* out, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.codes + n * w.K;
+    const float* scales = w.scales_of(n);
+    T* dst = out + n * w.K;
+    for (int64_t kb = 0; kb < w.KB; ++kb) {
+      const int64_t k0 = kb * w.block_k, k1 = std::min(w.K, k0 + w.block_k);
+      const int64_t kmain = k0 + (k1 - k0) / kLanes * kLanes;
+      const FVec s(scales[kb] * kHalfShift);
+      for (int64_t k = k0; k < kmain; k += kLanes) narrow<T>(widen_codes(row + k) * s, dst + k);
+      for (int64_t k = kmain; k < k1; ++k)
+        dst[k] = static_cast<T>(code_value(row[k]) * (scales[kb] * kHalfShift));
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+using BF16 = at::BFloat16;
+constexpr int kTileRows = 4;  // weight rows staged at a time
+
+// `count` weight rows' values (code x block scale, rounded to bf16 as torch rounds a
+// dequantized weight) into `buf` [count, Kp], zero-padded from K to Kp (a multiple of 32).
+void stage_rows(const Fp8Weight& w, int64_t n, int count, BF16* buf, int64_t Kp) {
+  for (int r = 0; r < count; ++r) {
+    const uint8_t* row = w.codes + (n + r) * w.K;
+    const float* scales = w.scales_of(n + r);
+    BF16* dst = buf + r * Kp;
+    for (int64_t kb = 0; kb < w.KB; ++kb) {
+      const int64_t k0 = kb * w.block_k, k1 = std::min(w.K, k0 + w.block_k);
+      const int64_t kmain = k0 + (k1 - k0) / kLanes * kLanes;
+      const float s = scales[kb] * kHalfShift;
+      for (int64_t k = k0; k < kmain; k += kLanes) narrow<BF16>(widen_codes(row + k) * FVec(s), dst + k);
+      for (int64_t k = kmain; k < k1; ++k) dst[k] = static_cast<BF16>(code_value(row[k]) * s);
+    }
+    std::fill(dst + w.K, dst + Kp, BF16(0.f));
+  }
+}
+
+// y[m, n .. n + NR) for MR bf16 input rows against NR staged rows: one BF16 dot product
+// instruction per (input row, 32 columns); the input's last partial 32 masked.
+template <int MR, int NR>
+void dot_staged(const BF16* x, int64_t K, const BF16* buf, int64_t Kp, BF16* y, int64_t N,
+                int64_t n) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const __mmask32 lanes = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
+    __m512bh wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(buf + r * Kp + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, x + m * K + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], wv[r], xv);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < NR; ++r) y[m * N + n + r] = static_cast<BF16>(_mm512_reduce_add_ps(acc[m][r]));
+}
+
+template <int NR>
+void dot_staged_rows(const BF16* x, int64_t M, int64_t K, const BF16* buf, int64_t Kp, BF16* y,
+                     int64_t N, int64_t n) {
+  for (int64_t m = 0; m < M; m += 4) {
+    const BF16* xm = x + m * K;
+    BF16* ym = y + m * N;
+    switch (std::min<int64_t>(4, M - m)) {
+      case 1: dot_staged<1, NR>(xm, K, buf, Kp, ym, N, n); break;
+      case 2: dot_staged<2, NR>(xm, K, buf, Kp, ym, N, n); break;
+      case 3: dot_staged<3, NR>(xm, K, buf, Kp, ym, N, n); break;
+      default: dot_staged<4, NR>(xm, K, buf, Kp, ym, N, n); break;
+    }
+  }
+}
+
+// Weight rows [n0, n1), kTileRows at a time: staged once into an L1-sized buffer, then
+// multiplied with every input row.
+void tiles_rows(const BF16* x, int64_t M, const Fp8Weight& w, int64_t n0, int64_t n1, BF16* y) {
+  const int64_t Kp = (w.K + 31) / 32 * 32;
+  std::vector<BF16> buf(kTileRows * Kp);
+  int64_t n = n0;
+  for (; n + kTileRows <= n1; n += kTileRows) {
+    stage_rows(w, n, kTileRows, buf.data(), Kp);
+    dot_staged_rows<kTileRows>(x, M, w.K, buf.data(), Kp, y, w.N, n);
+  }
+  for (; n < n1; ++n) {
+    stage_rows(w, n, 1, buf.data(), Kp);
+    dot_staged_rows<1>(x, M, w.K, buf.data(), Kp, y, w.N, n);
+  }
+}
+#endif
+
+}  // namespace
+
+at::Tensor fp8_gemv(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scale,
+                    const at::Tensor& scale_rows, int64_t block_k) {
+  const Fp8Weight w = check_weight(codes, scale, scale_rows, block_k, "fp8_gemv");
+  TORCH_CHECK(input.dim() == 2 && input.size(1) == w.K, "fp8_gemv: input must be [M, K]");
+  const int64_t M = input.size(0);
+  const auto x = input.to(at::kFloat).contiguous();
+  auto y = at::empty({M, w.N}, input.options().dtype(at::kFloat));
+  if (M == 0 || w.N == 0) return y.to(input.scalar_type());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    gemv_rows(xp, M, w, n0, n1, yp);
+  });
+  return y.to(input.scalar_type());
+}
+
+at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scale,
+                          const at::Tensor& scale_rows, int64_t block_k, at::ScalarType dtype) {
+  const Fp8Weight w = check_weight(codes, scale, scale_rows, block_k, "fp8_dequantize");
+  auto out = at::empty({w.N, w.K}, codes.options().dtype(dtype));
+  HOTSWAP_DISPATCH(dtype, "fp8_dequantize", [&] {
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+      dequantize_rows<scalar_t>(w, dst, n0, n1);
+    });
+  });
+  return out;
+}
+
+}  // namespace hotswap
+
+namespace hotswap {
+
+bool fp8_tiles_built() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor fp8_linear_tiles(const at::Tensor& input, const at::Tensor& codes,
+                            const at::Tensor& scale, const at::Tensor& scale_rows,
+                            int64_t block_k) {
+  const Fp8Weight w = check_weight(codes, scale, scale_rows, block_k, "fp8_linear_tiles");
+  TORCH_CHECK(input.dim() == 2 && input.size(1) == w.K && input.scalar_type() == at::kBFloat16,
+              "fp8_linear_tiles: input must be bf16 [M, K]");
+  TORCH_CHECK(fp8_tiles_built(), "fp8_linear_tiles: built without AVX-512 BF16");
+  const int64_t M = input.size(0);
+  const auto x = input.contiguous();
+  auto y = at::empty({M, w.N}, input.options());
+#if defined(__AVX512BF16__)
+  if (M == 0 || w.N == 0) return y;
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  auto* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    tiles_rows(xp, M, w, n0, n1, yp);
+  });
+#endif
+  return y;
+}
+
+}  // namespace hotswap

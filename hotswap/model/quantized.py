@@ -1,0 +1,169 @@
+"""Linear layers with blockwise FP8 weights (`--quantization fp8`; hotswap/quantization):
+the `weight` parameter holds e4m3 codes and `weight_scale_inv` one float32 scale per block,
+as vLLM names them, so an FP8 checkpoint loads as it is and a digest of the parameters is
+a digest of what is served.
+
+A fused layer (q/k/v, gate/up) keeps each checkpoint tensor's own block grid: a trainer or
+a checkpoint quantizes `q_proj`, `k_proj` and `v_proj` one by one, and the engine, which
+quantizes what it receives (`write`), must hold the same codes. So `scale_rows` gives each
+output row its scale row, and a shard of `rows` output rows owns ceil(rows / block_n) scale
+rows of its own.
+
+Forward: up to `MATVEC_MAX_ROWS` rows through the CPU kernel that reads the codes (half
+the bytes of bf16) and dequantizes them in registers; larger batches dequantize the weight
+into the activation dtype first (as the GEMM library needs a plain weight), which every
+device can do with torch operators.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hotswap.model.kernels import LayerKernels
+from hotswap.quantization.fp8 import FP8_DTYPE, Fp8Config, quantize_blockwise
+
+SCALE_NAME = "weight_scale_inv"
+# As the bf16 GEMV (model/layers.py MATVEC_MAX_ROWS): the rows the kernel streams the
+# weights once for.
+FP8_MATVEC_MAX_ROWS = 8
+# Up to this many bf16 rows, the kernel that stages a few weight rows in bf16 at a time;
+# beyond, a dequantized copy and the GEMM library.
+FP8_TILES_MAX_ROWS = 128
+
+
+@dataclass
+class Fp8Layout:
+    """Where a quantized layer's scales lie: `scale_rows[n]` is output row n's scale row;
+    `shards[i]` the (first, count) scale rows of the layer's i-th checkpoint tensor."""
+
+    block: tuple[int, int]
+    scale_rows: torch.Tensor  # int32 [out_features]
+    shards: list[tuple[int, int]]
+    kernels: LayerKernels | None = field(default=None, repr=False)  # set with the model's
+
+    @classmethod
+    def for_shards(
+        cls, sizes: list[int], block: tuple[int, int], device: torch.device
+    ) -> Fp8Layout:
+        rows, shards, first = [], [], 0
+        for size in sizes:
+            count = -(-size // block[0])
+            rows.append(first + torch.arange(size) // block[0])
+            shards.append((first, count))
+            first += count
+        scale_rows = torch.cat(rows).to(torch.int32).to(device)
+        return cls(block, scale_rows, shards)
+
+    @property
+    def num_scale_rows(self) -> int:
+        first, count = self.shards[-1]
+        return first + count
+
+    def scale_view(self, scale: torch.Tensor, shard: int | None) -> torch.Tensor:
+        """The scale rows of checkpoint tensor `shard` (None: the layer's only one)."""
+        first, count = self.shards[shard or 0]
+        return scale.narrow(0, first, count)
+
+    def dequantize(
+        self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The weight's values in `dtype` (float32 products rounded once, on any device)."""
+        kernels = self.kernels
+        if kernels is not None and kernels.fp8_dequantize is not None:
+            return kernels.fp8_dequantize(codes, scale, self.scale_rows, self.block[1], dtype)
+        per_row = scale.index_select(0, self.scale_rows)
+        full = per_row.repeat_interleave(self.block[1], dim=1)[:, : codes.shape[1]]
+        return (codes.float() * full).to(dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    layout: Fp8Layout,
+    bias: torch.Tensor | None,
+    invariant_linear: object = None,
+) -> torch.Tensor:
+    """x @ dequantized(codes)^T (+ bias). `invariant_linear`: batch-invariant mode's
+    fixed-tile product (model/layers.py tiled_linear), over the dequantized weight."""
+    op = None if invariant_linear is not None else _kernel_for(layout.kernels, x)
+    if op is not None:
+        out = op(x, codes, scale, layout.scale_rows, layout.block[1])
+        return out if bias is None else out + bias
+    weight = layout.dequantize(codes, scale, x.dtype)
+    if invariant_linear is not None:
+        return invariant_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _kernel_for(kernels: LayerKernels | None, x: torch.Tensor):  # noqa: ANN202 - an op
+    """The CPU kernel that serves `x`'s rows against FP8 codes, if one does."""
+    if kernels is None or kernels.fp8_gemv is None:
+        return None
+    if x.shape[0] <= FP8_MATVEC_MAX_ROWS:
+        return kernels.fp8_gemv
+    tiles = kernels.fp8_linear_tiles
+    if tiles is not None and x.dtype == torch.bfloat16 and x.shape[0] <= FP8_TILES_MAX_ROWS:
+        return tiles
+    return None
+
+
+def quantize_linear(module: nn.Module, shard_sizes: list[int], config: Fp8Config) -> None:
+    """Give linear layer `module` FP8 storage (before its weights are loaded): codes in
+    `weight`, scales in `weight_scale_inv`, its layout in `module.fp8`."""
+    out_features, in_features = module.weight.shape
+    device = module.weight.device
+    layout = Fp8Layout.for_shards(shard_sizes, config.block, device)
+    if len(layout.scale_rows) != out_features:
+        raise ValueError(f"quantization: shard sizes {shard_sizes} do not add up to {out_features}")
+    scale_cols = -(-in_features // config.block[1])
+    module.weight = nn.Parameter(
+        torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device), False
+    )
+    module.weight_scale_inv = nn.Parameter(
+        torch.ones(layout.num_scale_rows, scale_cols, dtype=torch.float32, device=device), False
+    )
+    module.fp8 = layout
+
+
+@torch.no_grad()
+def write_quantized(
+    module: nn.Module, shard: int | None, codes_view: torch.Tensor, tensor: torch.Tensor
+) -> None:
+    """Checkpoint tensor `tensor` (this rank's part of shard `shard`; bf16 or float32)
+    quantized into its rows `codes_view` of the layer's codes and its scale rows."""
+    layout: Fp8Layout = module.fp8
+    codes, scale = quantize_blockwise(tensor.to(codes_view.device), layout.block)
+    codes_view.copy_(codes)
+    layout.scale_view(module.weight_scale_inv.data, shard).copy_(scale)
+
+
+def receipt_refusal(
+    name: str, sent: torch.dtype, dest: torch.dtype, checkpoint: bool, sparse: bool
+) -> tuple[str, str] | None:
+    """Why a round may not send tensor `name` (of dtype `sent`) to a destination of dtype
+    `dest` in a quantized model, as (the meta at fault: name or dtype, why); None if it may.
+    A round sends the trainer's bf16/float32 tensors in checkpoint format and the engine
+    quantizes them on receipt."""
+    if dest != FP8_DTYPE and not name.endswith(SCALE_NAME):
+        return None
+    if not checkpoint:
+        return "name", (
+            f"weights: {name!r} is an FP8 weight; send it in checkpoint format "
+            f"(is_checkpoint_format=true), whose bf16/float32 tensors are quantized on receipt"
+        )
+    if name.endswith(SCALE_NAME) or sent == FP8_DTYPE:
+        return "dtype" if sent == FP8_DTYPE else "name", (
+            f"weights: {name!r}: send the bf16/float32 weight, not FP8 codes or scales; the "
+            f"engine quantizes on receipt"
+        )
+    if sparse:
+        return "name", (
+            f"weights: {name!r} is an FP8 weight; sparse deltas into FP8 weights are not "
+            f"supported yet (send the whole tensor)"
+        )
+    return None
