@@ -235,23 +235,6 @@ def resolve_quantization(method: str | None, hf_config: dict[str, Any]) -> Fp8Co
     return Fp8Config.from_hf(declared)
 
 
-def check_quantized_transfer(
-    transfer: WeightTransferConfig, quantization: Fp8Config | None, per_rank: bool
-) -> None:
-    """What quantize-on-receipt does not cover yet, refused at start: the double buffer,
-    and backends whose every rank receives its own parts (m2n), write received tensors
-    straight into the weights' storage."""
-    if quantization is None:
-        return
-    if transfer.double_buffer or per_rank:
-        what = "double_buffer" if transfer.double_buffer else "backend"
-        raise InvalidArgument(
-            f"weight_transfer_config.{what}",
-            f"weight_transfer_config.{what}: not supported with --quantization fp8 yet "
-            f"(its writes bypass quantization on receipt)",
-        )
-
-
 def parse_head_dtype(value: str | None) -> torch.dtype | None:
     """--lm-head-dtype (None: the model's dtype)."""
     if value is None:

@@ -31,7 +31,6 @@ from hotswap.config import (
     check_device,
     check_logprobs_mode,
     check_positive,
-    check_quantized_transfer,
     check_ray_installed,
     parse_dtype,
     parse_head_dtype,
@@ -41,7 +40,6 @@ from hotswap.config import (
 )
 from hotswap.errors import InvalidArgument
 from hotswap.generation_config import default_sampling
-from hotswap.quantization.fp8 import Fp8Config
 from hotswap.weight_transfer.config import ENGINE_BACKENDS, WeightTransferConfig
 
 
@@ -274,7 +272,7 @@ class EngineArgs:
             device=check_device(self.device),
             tokenizer=Path(self.tokenizer) if self.tokenizer else model_dir,
             enable_sleep_mode=self.enable_sleep_mode,
-            weight_transfer=self._weight_transfer_config(model_cfg.quantization),
+            weight_transfer=self._weight_transfer_config(),
             data_parallel_rank=self.data_parallel_rank,
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self._executor_backend(),
@@ -292,14 +290,12 @@ class EngineArgs:
             return_routed_experts=bool(self.enable_return_routed_experts),
         )
 
-    def _weight_transfer_config(self, quant: Fp8Config | None) -> WeightTransferConfig | None:
+    def _weight_transfer_config(self) -> WeightTransferConfig | None:
         config = WeightTransferConfig.parse(self.weight_transfer_config)
-        if config is None:
+        if config is None or not config.double_buffer:
             return config
         backend = ENGINE_BACKENDS.get(config.backend)  # unknown: refused at the engine's start
-        per_rank = backend is not None and backend.every_rank_receives
-        check_quantized_transfer(config, quant, per_rank)
-        if config.double_buffer and per_rank:
+        if config.double_buffer and backend is not None and backend.every_rank_receives:
             # every rank receives its own parts into its stage, written at the commit
             raise InvalidArgument(
                 "weight_transfer_config.double_buffer",

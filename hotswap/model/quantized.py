@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.model.kernels import LayerKernels
-from hotswap.quantization.fp8 import FP8_DTYPE, Fp8Config, quantize_blockwise
+from hotswap.quantization.fp8 import (
+    FP8_DTYPE,
+    Fp8Config,
+    dequantize_blockwise,
+    expand_scales,
+    quantize_blockwise,
+)
 
 SCALE_NAME = "weight_scale_inv"
 # As the bf16 GEMV (model/layers.py MATVEC_MAX_ROWS): the rows the kernel streams the
@@ -137,13 +143,13 @@ def write_quantized(
     """Checkpoint tensor `tensor` (this rank's part of shard `shard`; bf16 or float32)
     quantized into its rows `codes_view` of the layer's codes and its scale rows."""
     layout: Fp8Layout = module.fp8
-    codes, scale = quantize_blockwise(tensor.to(codes_view.device), layout.block)
-    codes_view.copy_(codes)
-    layout.scale_view(module.weight_scale_inv.data, shard).copy_(scale)
+    quantize_into(
+        layout, codes_view, layout.scale_view(module.weight_scale_inv.data, shard), tensor
+    )
 
 
 def receipt_refusal(
-    name: str, sent: torch.dtype, dest: torch.dtype, checkpoint: bool, sparse: bool
+    name: str, sent: torch.dtype, dest: torch.dtype, checkpoint: bool
 ) -> tuple[str, str] | None:
     """Why a round may not send tensor `name` (of dtype `sent`) to a destination of dtype
     `dest` in a quantized model, as (the meta at fault: name or dtype, why); None if it may.
@@ -161,9 +167,72 @@ def receipt_refusal(
             f"weights: {name!r}: send the bf16/float32 weight, not FP8 codes or scales; the "
             f"engine quantizes on receipt"
         )
-    if sparse:
-        return "name", (
-            f"weights: {name!r} is an FP8 weight; sparse deltas into FP8 weights are not "
-            f"supported yet (send the whole tensor)"
-        )
     return None
+
+
+def scale_view_for(module: nn.Module, codes_view: torch.Tensor) -> torch.Tensor:
+    """The scale rows of `codes_view`, a range of whole rows of FP8 layer `module`'s
+    codes (a checkpoint tensor's, or this rank's share of one), as its `weight` holds them."""
+    param = module.weight.data
+    first_row = (codes_view.storage_offset() - param.storage_offset()) // param.shape[1]
+    layout: Fp8Layout = module.fp8
+    first = int(layout.scale_rows[first_row])
+    count = -(-codes_view.shape[0] // layout.block[0])
+    return module.weight_scale_inv.data.narrow(0, first, count)
+
+
+@torch.no_grad()
+def quantize_into(
+    layout: Fp8Layout, codes_view: torch.Tensor, scale_view: torch.Tensor, tensor: torch.Tensor
+) -> None:
+    """A checkpoint tensor's part (bf16/float32) quantized into its codes and scales."""
+    codes, scales = quantize_blockwise(tensor.to(codes_view.device), layout.block)
+    codes_view.copy_(codes)
+    scale_view.copy_(scales)
+
+
+@torch.no_grad()
+def requantize_delta(
+    layout: Fp8Layout,
+    codes_view: torch.Tensor,
+    scale_view: torch.Tensor,
+    indices: torch.Tensor,
+    values: torch.Tensor,
+) -> None:
+    """A sparse delta (flat `indices` of `codes_view` set to `values`) into FP8 codes: the
+    blocks it touches are dequantized, written and quantized again; the others keep their
+    codes and scales, so the result is what loading the dequantized weight with the delta
+    applied gives. It costs a dequantization and quantization of the tensor's part."""
+    dense = dequantize_blockwise(codes_view, scale_view, layout.block, torch.float32)
+    dense.view(-1)[indices] = values.to(dense.device, torch.float32)
+    codes, scales = quantize_blockwise(dense, layout.block)
+    touched = torch.zeros(scales.shape, dtype=torch.bool, device=scales.device)
+    columns = codes_view.shape[1]
+    touched[indices // columns // layout.block[0], indices % columns // layout.block[1]] = True
+    rewrite = expand_scales(touched, tuple(codes_view.shape), layout.block)
+    code_bytes = codes_view.view(torch.uint8)
+    code_bytes.copy_(torch.where(rewrite, codes.view(torch.uint8), code_bytes))
+    scale_view.copy_(torch.where(touched, scales, scale_view))
+
+
+def write_part(model: nn.Module, name: str, view: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Checkpoint tensor `name`'s part `tensor` into `view` (its `checkpoint_view`, or this
+    rank's part of it); quantized on the way into an FP8 weight."""
+    target = getattr(model, "quantized_target", lambda _: None)(name)
+    if target is None:
+        view.copy_(tensor)
+    else:
+        quantize_into(target[0].fp8, view, scale_view_for(target[0], view), tensor)
+
+
+def write_flat(
+    model: nn.Module, name: str, view: torch.Tensor, indices: torch.Tensor, values: torch.Tensor
+) -> None:
+    """Set flat `indices` of checkpoint tensor `name`'s `view` (this rank's share) to
+    `values` (a sparse delta); into an FP8 weight through `requantize_delta`."""
+    target = getattr(model, "quantized_target", lambda _: None)(name)
+    if target is None:
+        view.view(-1)[indices] = values.to(view.dtype)
+    else:
+        module = target[0]
+        requantize_delta(module.fp8, view, scale_view_for(module, view), indices, values)

@@ -40,6 +40,7 @@ from hotswap.errors import InvalidArgument
 from hotswap.execution.ranks import on_every_rank
 from hotswap.model.packed import available_bytes
 from hotswap.model.parallel import ShardSlice, TPGroup
+from hotswap.model.quantized import SCALE_NAME, quantize_into, requantize_delta, scale_view_for
 
 logger = logging.getLogger(__name__)
 
@@ -188,14 +189,26 @@ class RankShadow:
         shadow = self.rank_shadow()
         sparse = not isinstance(item, torch.Tensor)
         view = shadow.destination(target[1], target[0], sparse)
+        layer = getattr(self.model, "quantized_layer", lambda _: None)(target[0])
+        scales = None
+        if layer is not None:  # FP8: the part's scale rows are written (and swapped) too
+            scale_name = target[0][: -len("weight")] + SCALE_NAME
+            scales = shadow.destination(scale_view_for(layer, target[1]), scale_name, True)
         if not sparse:
-            shadow.write(item if piece is None else piece.take(item), view)
+            part = item if piece is None else piece.take(item)
+            if layer is None:
+                shadow.write(part, view)
+            else:
+                quantize_into(layer.fp8, view, scales, part)
             return view
         indices, values = item.indices.to(view.device), item.values
         if piece is not None:
             mask, indices = piece.local_indices(piece.full_shape(tuple(view.shape)), indices)
             values = values[mask.to(values.device)]
-        view.view(-1)[indices] = values.to(view.device, view.dtype)
+        if layer is None:
+            view.view(-1)[indices] = values.to(view.device, view.dtype)
+        else:
+            requantize_delta(layer.fp8, view, scales, indices, values)
         return view
 
     def forward_to_shadows(self, items: list[tuple[str, Any]]) -> None:

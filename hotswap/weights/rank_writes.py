@@ -15,6 +15,7 @@ import torch
 from hotswap.config import EngineConfig
 from hotswap.execution.ranks import on_every_rank
 from hotswap.model.parallel import TPGroup, check_whole_shape
+from hotswap.model.quantized import write_flat, write_part
 from hotswap.weights.residency import WeightResidency
 
 
@@ -66,7 +67,7 @@ class RankWeights:
             staged = self.rank_stage.pop(name, None)
             target = self.model.checkpoint_view(name)
             if staged is not None and target is not None:
-                target[1].copy_(staged)
+                write_part(self.model, name, target[1], staged)
         self.rank_stage.clear()
 
     @torch.no_grad()
@@ -111,14 +112,13 @@ class RankWeights:
             target = self.model.checkpoint_view(name)
             if target is None:
                 continue
-            view = target[1]
-            flat = view.view(-1)  # checkpoint views are contiguous row ranges
+            view = target[1]  # checkpoint views are contiguous row ranges
             indices, values = delta.indices.to(view.device), delta.values.to(view.device)
             piece = self.model.checkpoint_slice(name) if self.tp.parallel else None
             if piece is not None:
                 mask, indices = piece.local_indices(piece.full_shape(tuple(view.shape)), indices)
                 values = values[mask]
-            flat[indices] = values.to(flat.dtype)
+            write_flat(self.model, name, view, indices, values)
 
     @on_every_rank
     def offload_weights(self, keep: bool) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from hotswap.lora.stage import AdapterStage
 from hotswap.model.parallel import ShardSlice, TensorParallelError
+from hotswap.model.quantized import write_flat
 from hotswap.weight_transfer.base import Delta
 from hotswap.weight_transfer.config import WeightTransferConfig
 from hotswap.weight_transfer.engine import STAGED
@@ -93,9 +94,8 @@ class LocalWriter:
     def apply_deltas(self, deltas: list[tuple[str, Delta]]) -> None:
         for name, delta in deltas:
             target = self.model.checkpoint_view(name)
-            if target is not None:
-                flat = target[1].view(-1)  # checkpoint views are contiguous row ranges
-                flat[delta.indices] = delta.values.to(flat.dtype)
+            if target is not None:  # checkpoint views are contiguous row ranges
+                write_flat(self.model, name, target[1], delta.indices, delta.values)
 
     def commit_stage(self, names: list[str]) -> None:
         """Nothing is received on other ranks for a model in this process alone."""

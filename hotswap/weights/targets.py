@@ -42,7 +42,7 @@ class WeightTargets:
         if expected is None:
             return None  # a name the model ignores (e.g. rotary inv_freq)
         shape, floating, dtype = expected
-        refused = receipt_refusal(meta.name, meta.dtype, dtype, checkpoint, sparse)
+        refused = receipt_refusal(meta.name, meta.dtype, dtype, checkpoint)
         if refused is not None:
             return refused
         if shape != meta.shape:

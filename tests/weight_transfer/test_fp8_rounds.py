@@ -1,10 +1,13 @@
 """Rounds into an FP8 engine (`--quantization fp8`): the trainer's bf16/float32 tensors are
-quantized on receipt, so a round lands on exactly the codes and scales a fresh FP8 engine
-loads from the same weights (digest); what quantize-on-receipt does not cover yet is
-refused, naming the field, and changes nothing; an FP8 checkpoint loads as it is."""
+quantized on receipt, so a round (whole, partial, double-buffered) lands on exactly the
+codes and scales a fresh FP8 engine loads from the same weights (digest), and a sparse
+delta on what loading the dequantized weights with the delta gives; FP8 codes, scales or
+engine-format names sent are refused, naming the field, and change nothing; an FP8
+checkpoint loads as it is."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -13,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hotswap import LLM
+from hotswap import LLM, AsyncLLM, SamplingParams
 from hotswap.errors import InvalidArgument
-from hotswap.quantization.fp8 import quantize_blockwise
+from hotswap.quantization.fp8 import dequantize_blockwise, quantize_blockwise
 from hotswap.weight_transfer import (
     GlooTrainerInitInfo,
     InProcessWeightSyncClient,
@@ -99,32 +102,57 @@ def test_refused_sends_change_nothing(items, message, v1_dir, v2_trainer) -> Non
     assert llm.get_weight_info()["version"] == before["version"] + 1
 
 
-def test_engine_format_and_sparse_deltas_are_refused(v1_dir) -> None:
+def test_engine_format_is_refused(v1_dir) -> None:
     llm = fp8_llm(v1_dir, "ipc")
+    before = llm.get_weight_info()
     llm.start_weight_update(is_checkpoint_format=False)
     name = "model.layers.0.self_attn.qkv_proj.weight"
     info = {"names": [name], "dtype_names": ["float32"], "shapes": [[128, 64]]}
     with pytest.raises(ValueError, match="checkpoint format"):
         llm.update_weights(info | {"segments": ["x"], "placements": [[0, 0]]})
     llm.finish_weight_update(abort=True)
-    sparse = fp8_llm(v1_dir, "sparse")
-    before = sparse.get_weight_info()
+    assert llm.get_weight_info() == before
+
+
+def test_a_sparse_delta_requantizes_the_blocks_it_touches(v1_dir, tmp_path) -> None:
+    """The delta lands on the dequantized weight; the result equals a fresh FP8 engine
+    loaded from the dequantized weights with the delta applied (untouched blocks keep
+    their codes and scales: quantizing dequantized values gives them back)."""
+    llm = fp8_llm(v1_dir, "sparse")
     engine = WeightTransferTrainerFactory.trainer_init(
         SparseTrainerInitInfo(master_port=free_port(), world_size=2),
-        InProcessWeightSyncClient(sparse), None,
+        InProcessWeightSyncClient(llm), None,
     )  # fmt: skip
-    patch = SparsePatch(Q_PROJ, (64, 64), torch.tensor([3]), torch.tensor([0.5]))
-    with pytest.raises(ValueError, match="sparse deltas into FP8"):
-        engine.send_patches([patch], "delta")
-    assert sparse.get_weight_info() == before
+    indices = torch.tensor([3, 64 * 20 + 7, 64 * 20 + 8])  # two blocks of q_proj
+    values = torch.tensor([0.5, -0.25, 0.125])
+    engine.send_patches([SparsePatch(Q_PROJ, (64, 64), indices, values)], "delta")
+    weights = load_file(v1_dir / "model.safetensors")
+    for name in [n for n in weights if n.endswith("proj.weight")]:
+        codes, scales = quantize_blockwise(weights[name], tuple(BLOCK))
+        weights[name] = dequantize_blockwise(codes, scales, tuple(BLOCK), torch.float32)
+    weights[Q_PROJ].view(-1)[indices] = values
+    fresh = fp8_llm(checkpoint(tmp_path / "delta", v1_dir, weights), None)
+    assert digest(llm) == digest(fresh)
+    assert digest(llm) != digest(fp8_llm(v1_dir, None))
 
 
-@pytest.mark.parametrize("transfer", [{"backend": "ipc", "double_buffer": True},
-                                      {"backend": "m2n"}])  # fmt: skip
-def test_writes_that_bypass_quantization_are_refused_at_start(transfer, v1_dir) -> None:
-    with pytest.raises(InvalidArgument) as caught:
-        LLM(str(v1_dir), progress=False, weight_transfer_config=transfer, **FP8)
-    assert caught.value.field.startswith("weight_transfer_config.")
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
+def test_a_double_buffered_round_swaps_in_the_quantized_weights(partial, v1_dir, v2_dir) -> None:
+    """The round is quantized into the shadow (codes and their scale rows) while the live
+    FP8 weights serve; the commit swaps both in."""
+    v2 = load_file(v2_dir / "model.safetensors")
+    llm = fp8_llm(v1_dir, "ipc", double_buffer=True)
+    before = digest(llm)
+    if partial:
+        send(llm, TensorSource([(Q_PROJ, v2[Q_PROJ].bfloat16())]), "ipc")
+        reference = fp8_llm(v1_dir, "ipc")
+        send(reference, TensorSource([(Q_PROJ, v2[Q_PROJ].bfloat16())]), "ipc")
+    else:
+        send(llm, TensorSource(list(v2.items())), "ipc")
+        reference = fp8_llm(v2_dir, None)
+    assert digest(llm) == digest(reference) != before
+    send(llm, TensorSource(list(load_file(v1_dir / "model.safetensors").items())), "ipc")
+    assert digest(llm) == before  # the other buffer, rewritten: round two
 
 
 def test_an_fp8_checkpoint_loads_as_it_is(v1_dir, tmp_path) -> None:
@@ -151,3 +179,48 @@ def test_sleep_and_wake_keep_the_fp8_weights(v1_dir) -> None:
     llm.sleep(level=1)
     llm.wake_up()
     assert digest(llm) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_an_in_flight_round_lands_between_steps(double_buffer, v1_dir, v2_dir, v2_trainer) -> None:
+    """Received and quantized beside the steps of a running stream, switched between two
+    steps: its later tokens carry version 1, and the weights equal a fresh FP8 engine's."""
+    config = {"backend": "gloo", "in_flight": True, "double_buffer": double_buffer}
+
+    async def run() -> tuple[list[int], str]:
+        llm = AsyncLLM(str(v1_dir), dtype="float32", weight_transfer_config=config, **FP8)
+        try:
+            await llm.get_weight_version()  # binds the engine to this event loop
+            info = GlooTrainerInitInfo(master_port=free_port(), world_size=2)
+            client, source = InProcessWeightSyncClient(llm), ModuleSource(v2_trainer)
+            make = WeightTransferTrainerFactory.trainer_init
+            trainer = await asyncio.to_thread(make, info, client, source)
+            params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+            seen, last = [0], None
+
+            async def stream() -> None:  # noqa: E306
+                nonlocal last
+                async for out in llm.generate("The quick brown", params, request_id="s"):
+                    seen[0], last = len(out.outputs[0].token_ids), out.outputs[0]
+
+            task = asyncio.ensure_future(stream())
+            await until_async(lambda: seen[0] >= 5)
+            await asyncio.to_thread(trainer.send_weights, "v2")
+            await asyncio.wait_for(task, 120)
+            return [s.version for s in last.weight_versions], (await llm.get_weight_info())[
+                "digest"
+            ]
+        finally:
+            llm.shutdown()
+
+    versions, got = asyncio.run(run())
+    assert versions in ([0, 1], [0])
+    assert got == digest(fp8_llm(v2_dir, None))
+
+
+async def until_async(condition, timeout: float = 60) -> None:  # noqa: ANN001
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)

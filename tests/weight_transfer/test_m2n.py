@@ -39,10 +39,10 @@ def dirs(tiny_model_factory) -> tuple[Path, Path]:
             tiny_model_factory("qwen3", seed=1, num_key_value_heads=1))  # fmt: skip
 
 
-def engine(path: Path, tp: int, backend: str | None = "m2n") -> LLM:
+def engine(path: Path, tp: int, backend: str | None = "m2n", **kw) -> LLM:
     config = {"backend": backend} if backend else None
     return LLM(str(path), dtype="float32", progress=False, tensor_parallel_size=tp,
-               weight_transfer_config=config)  # fmt: skip
+               weight_transfer_config=config, **kw)  # fmt: skip
 
 
 def shards_of(tensors: dict[str, torch.Tensor], rank: int, ranks: int) -> list[Shard]:
@@ -117,6 +117,23 @@ def test_m_trainer_ranks_update_n_engine_ranks(dirs, trainers: int, tp: int) -> 
         if tp == 2:  # its slices, plus the replicated norms and key/value head
             assert rank0 < 0.6 * whole
         assert sum(sent) >= whole  # each byte leaves some trainer rank at least once
+    finally:
+        llm.shutdown()
+        fresh.shutdown()
+
+
+def test_fp8_engine_ranks_quantize_the_slices_they_receive(dirs) -> None:
+    """2 -> 2 into FP8 weights: each engine rank quantizes its slices at the commit and
+    holds what a fresh FP8 engine of two ranks loads (16 x 16 blocks: whole on each rank)."""
+    v1, v2 = dirs
+    fp8 = {"quantization": "fp8", "hf_overrides": {"quantization_config": {
+        "weight_block_size": [16, 16]}}}  # fmt: skip
+    fresh = engine(v2, 2, backend=None, **fp8)
+    llm = engine(v1, 2, **fp8)
+    try:
+        push(llm, load_file(str(v2 / "model.safetensors")), 2, 2)
+        assert llm.get_weight_info()["digest"] == fresh.get_weight_info()["digest"]
+        assert tokens(llm) == tokens(fresh)
     finally:
         llm.shutdown()
         fresh.shutdown()

@@ -150,11 +150,18 @@ class LlamaForCausalLM(nn.Module):
         scales = set()
         for key in keys:
             name, _, shard = key.partition("#")
-            if name.endswith(".weight") and self._quantized(name) is not None:
+            if name.endswith(".weight") and self.quantized_layer(name) is not None:
                 scales.add(f"{name[: -len('weight')]}{SCALE_NAME}" + (f"#{shard}" if shard else ""))
         return scales
 
-    def _quantized(self, param_name: str) -> nn.Module | None:
+    def quantized_target(self, name: str) -> tuple[nn.Module, Any] | None:
+        """(the FP8 linear layer, which of its checkpoint tensors) checkpoint tensor
+        `name` is written to, if it is an FP8 weight."""
+        target = self._map_name(name)
+        module = None if target is None else self.quantized_layer(target[0])
+        return None if module is None else (module, target[1])
+
+    def quantized_layer(self, param_name: str) -> nn.Module | None:
         """The FP8 linear layer whose codes `param_name` is, if it is one."""
         if not param_name.endswith(".weight"):
             return None
@@ -218,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         )
         part = tensor if piece is None else piece.take(tensor)
         key = self._key(param_name, shard)
-        owner = self._quantized(param_name)
+        owner = self.quantized_layer(param_name)
         if owner is not None and part.dtype != FP8_DTYPE:
             write_quantized(owner, shard, dest, part)
             return {key, self._key(param_name[: -len("weight")] + SCALE_NAME, shard)}
