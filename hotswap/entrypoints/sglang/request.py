@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from hotswap.engine.async_llm import MAX_SESSION_ID_CHARS, AsyncLLM
+from hotswap.engine.async_llm import AsyncLLM
+from hotswap.engine.prompts import is_session_id
 from hotswap.entrypoints.openai.constraints import parse_logit_bias
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
@@ -220,7 +221,7 @@ def _routings(request: Request, body: GenerateRequest, count: int) -> list[Routi
 
 
 def _is_key(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_SESSION_ID_CHARS)
+    return value is None or is_session_id(value)
 
 
 def _is_salt(value: Any) -> bool:
