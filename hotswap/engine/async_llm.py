@@ -30,6 +30,7 @@ from hotswap.engine.prompts import (
     check_priority,
     check_prompt,
     encode_prompt,
+    is_session_id,
     prepare_params,
     prompt_cache_salt,
 )
@@ -137,9 +138,7 @@ class AsyncLLM:
         if rank is not None and (not _is_int(rank) or not 0 <= rank < size):
             raise InvalidArgument("data_parallel_rank", f"data_parallel_rank: must be an "
                                   f"integer in [0, {size}), got {rank!r}")  # fmt: skip
-        if session_id is not None and not (
-            isinstance(session_id, str) and 0 < len(session_id) <= MAX_SESSION_ID_CHARS
-        ):
+        if session_id is not None and not is_session_id(session_id):
             raise InvalidArgument("session_id", "session_id: must be a non-empty string of at "
                                   f"most {MAX_SESSION_ID_CHARS} characters")  # fmt: skip
         return {"data_parallel_rank": rank, "session_id": session_id}

@@ -75,6 +75,13 @@ MAX_KV_RETENTION_S = 3600.0  # an hour: a tool call, not a cache policy
 MAX_SESSION_ID_CHARS = 256  # a session key is a name, not a payload
 
 
+def is_session_id(value: object) -> bool:
+    """A session key: a non-empty string of at most MAX_SESSION_ID_CHARS characters. The
+    one rule, checked by the engine and by every place a request names one (each with its
+    own message: a header's, a body field's)."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_SESSION_ID_CHARS
+
+
 def check_kv_retention(seconds: object) -> float:
     """How long a finished request's KV is kept for its session's next turn (kv_cache.py);
     0 keeps nothing beyond the prefix cache's own LRU."""

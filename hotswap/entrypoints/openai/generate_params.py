@@ -27,6 +27,7 @@ from hotswap.entrypoints.openai.parsers import REASONING_PARSERS
 from hotswap.entrypoints.openai.protocol import SamplingRequest
 from hotswap.entrypoints.server.default_only import DefaultOnly, Only, check_default_only
 from hotswap.entrypoints.server.errors import APIError, bad_request
+from hotswap.entrypoints.server.sampling import SHARED_FIELDS
 from hotswap.entrypoints.server.state import ServerConfig
 from hotswap.errors import InvalidArgument
 from hotswap.sampling_params import SamplingParams
@@ -59,14 +60,16 @@ SAMPLING_DEFAULT_ONLY = DefaultOnly(
     },
     _REFUSAL,
 )
-# the fields copied as they are into the SamplingRequest that /v1/completions builds from
-_SHARED = (
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "min_tokens", "include_stop_str_in_output", "skip_special_tokens",
-    "spaces_between_special_tokens", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "prompt_logprobs", "allowed_token_ids", "bad_words",
-    "structured_outputs", "max_weight_lag", "routed_experts_prompt_start",
-)  # fmt: skip
+# the fields copied as they are into the SamplingRequest that /v1/completions builds from:
+# the shared ones and the vLLM fields that /v1/completions reads beside them
+_COPIED = (
+    *SHARED_FIELDS,
+    "prompt_logprobs",
+    "allowed_token_ids",
+    "bad_words",
+    "structured_outputs",
+    "routed_experts_prompt_start",
+)
 
 
 def check_unsupported_generate(body: GenerateRequest) -> None:
@@ -122,7 +125,7 @@ def generate_sampling_params(
     model's generation_config (`defaults`) supplies `max_tokens` alone, and only when the
     body omits it (then None without one: up to the context limit); every other field
     keeps SamplingParams' own default (temperature 1.0, ...), not the model's."""
-    fields: dict[str, Any] = {name: getattr(sp, name) for name in _SHARED}
+    fields: dict[str, Any] = {name: getattr(sp, name) for name in _COPIED}
     if sp.logit_bias:
         fields["logit_bias"] = {str(token): bias for token, bias in sp.logit_bias.items()}
     request = SamplingRequest.model_construct(**fields)

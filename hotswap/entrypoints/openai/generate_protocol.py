@@ -22,11 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from hotswap.entrypoints.openai.protocol import (
-    I64,
-    MAX_N,
-    Int64,
     KVRetention,
-    NonNegInt64,
     RequestModel,
     SessionId,
     StreamOptions,
@@ -34,6 +30,17 @@ from hotswap.entrypoints.openai.protocol import (
 )
 from hotswap.entrypoints.openai.responses import ChatLogProbsContent, PromptLogprob
 from hotswap.entrypoints.server.limits import CheckedModel
+from hotswap.entrypoints.server.sampling import (
+    I64,
+    Int64,
+    N,
+    NonNegInt64,
+    Seed,
+    Stop,
+    TokenCount,
+    TokenIds,
+    TopK,
+)
 
 OutputMode = Literal["tokens", "text"]
 
@@ -45,21 +52,21 @@ class GenerateSamplingParams(RequestModel):
     generation_config default, else "up to the context limit" (vLLM's server-side
     default), not the class default 16; the other defaults are the class's, as in vLLM."""
 
-    n: Annotated[int, Field(le=MAX_N)] = 1
+    n: N = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     temperature: float = 1.0
     watermarking: bool | None = None
     top_p: float = 1.0
-    top_k: Annotated[int, Field(ge=-1, lt=2**31)] = 0
+    top_k: TopK = 0
     min_p: float = 0.0
-    seed: Annotated[int, Field(ge=-I64, lt=2**64)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt64] | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
-    max_tokens: NonNegInt64 | None = 16
-    min_tokens: NonNegInt64 = 0
+    max_tokens: TokenCount | None = 16
+    min_tokens: TokenCount = 0
     logprobs: Int64 | None = None
     prompt_logprobs: Int64 | None = None
     prompt_logprob_token_ids: list[list[int]] | None = None
@@ -75,7 +82,7 @@ class GenerateSamplingParams(RequestModel):
     skip_clone: bool = False  # vLLM-internal copy avoidance: no observable effect
     structured_outputs: StructuredOutputsRequest | None = None
     logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[NonNegInt64] | None = None
+    allowed_token_ids: TokenIds | None = None
     extra_args: dict[str, Any] | None = None
     bad_words: list[str] | None = None
     skip_reading_prefix_cache: bool | None = None

@@ -27,6 +27,7 @@ from hotswap.entrypoints.server.default_only import DefaultOnly, Only, check_def
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import WarningThrottle, check_prompt_chars, printable_field
 from hotswap.entrypoints.server.routing import Routing
+from hotswap.entrypoints.server.sampling import build_sampling_params
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids, get_server_config
 from hotswap.errors import InvalidArgument
 from hotswap.lora.request import LoRARequest
@@ -242,30 +243,17 @@ def sampling_params(
         prompt_logprobs = body.prompt_logprobs
     if structured_outputs is None:
         structured_outputs = structured_outputs_of(body)
+    # a refusal of max_tokens names max_completion_tokens where that was given (chat)
+    given_as = max_tokens_param(body).removeprefix("body.")
+    names = {"max_tokens": given_as} if given_as != "max_tokens" else {}
     try:
-        return SamplingParams(
-            n=body.n,
-            temperature=_or(body.temperature, defaults.get("temperature", 1.0)),
-            top_p=_or(body.top_p, defaults.get("top_p", 1.0)),
-            top_k=_or(body.top_k, defaults.get("top_k", 0)),
-            min_p=_or(body.min_p, defaults.get("min_p", 0.0)),
-            seed=body.seed,
+        return build_sampling_params(
+            body,
+            names=names,
+            defaults=defaults,
             max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
-            stop=body.stop or [],
-            stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos,
-            include_stop_str_in_output=body.include_stop_str_in_output,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            repetition_penalty=_or(
-                body.repetition_penalty, defaults.get("repetition_penalty", 1.0)
-            ),
-            presence_penalty=_or(body.presence_penalty, defaults.get("presence_penalty", 0.0)),
-            frequency_penalty=_or(body.frequency_penalty, defaults.get("frequency_penalty", 0.0)),
-            skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens,
-            max_weight_lag=body.max_weight_lag,
             routed_experts_prompt_start=routed_experts_start(body),
             logit_bias=logit_bias_of(body),
             allowed_token_ids=body.allowed_token_ids,
@@ -274,11 +262,7 @@ def sampling_params(
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
     except InvalidArgument as e:
-        raise _field_error(e, body) from None
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
+        raise bad_request(str(e), f"body.{e.field}" if e.field else None) from None
 
 
 def routed_experts_start(body: SamplingRequest) -> int:
@@ -293,14 +277,6 @@ def routed_experts_start(body: SamplingRequest) -> int:
             "body.routed_experts_start_len",
         )
     return body.routed_experts_start_len
-
-
-def _field_error(error: InvalidArgument, body: SamplingRequest) -> APIError:
-    message, field = str(error), error.field
-    if field == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-        message = message.replace(field, "max_completion_tokens", 1)
-        field = "max_completion_tokens"
-    return bad_request(message, f"body.{field}" if field else None)
 
 
 def completion_max_tokens(body: CompletionRequest | ChatCompletionRequest) -> int | None:

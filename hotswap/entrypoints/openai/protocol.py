@@ -28,13 +28,18 @@ from pydantic import (
 
 from hotswap.engine.prompts import MAX_KV_RETENTION_S, MAX_SESSION_ID_CHARS
 from hotswap.entrypoints.server.limits import CheckedModel
+from hotswap.entrypoints.server.sampling import (
+    Int64,
+    Logprobs,
+    N,
+    NonNegInt64,
+    Seed,
+    Stop,
+    TokenCount,
+    TokenIds,
+    TopK,
+)
 
-I64 = 2**63
-MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
-MAX_N = 1024
-
-Int64 = Annotated[int, Field(ge=-I64, lt=I64)]
-NonNegInt64 = Annotated[int, Field(ge=0, lt=I64)]
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_ID_CHARS)]
 KVRetention = Annotated[float, Field(ge=0, le=MAX_KV_RETENTION_S)]  # seconds
 
@@ -119,16 +124,16 @@ class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: Annotated[int, Field(le=MAX_N)] = 1
+    n: N = 1
     temperature: float | None = None
     top_p: float | None = None
-    top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
+    top_k: TopK | None = None
     min_p: float | None = None
-    seed: Annotated[int, Field(ge=-I64, lt=2**64)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt64] | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
-    min_tokens: NonNegInt64 = 0
+    min_tokens: TokenCount = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
@@ -145,7 +150,7 @@ class SamplingRequest(RequestModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Logprobs | None = None
     # vLLM's per-request prefix-cache salt: only requests with the same salt share blocks
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # hotswap: the session the request belongs to, for clients that cannot set the
@@ -162,7 +167,7 @@ class SamplingRequest(RequestModel):
     # logits controls and structured outputs (vLLM's semantics; params.logits_controls,
     # constraints.structured_outputs_of)
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[NonNegInt64] | None = None
+    allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -195,8 +200,8 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: text, list of texts, token ids or list of those."""
 
     prompt: Any
-    max_tokens: NonNegInt64 | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: TokenCount | None = 16
+    logprobs: Logprobs | None = None
     echo: bool = False
     add_special_tokens: bool = True
     suffix: str | None = None
@@ -215,10 +220,10 @@ class ChatCompletionRequest(SamplingRequest):
     # logged (vLLM ignores the ones it does not know silently); they reach the chat
     # template, which uses what it knows (tool_calls, reasoning_content, ...).
     messages: list[dict[str, Any]]
-    max_tokens: NonNegInt64 | None = None
-    max_completion_tokens: NonNegInt64 | None = None
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Logprobs | None = None
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hotswap.engine.async_llm import MAX_SESSION_ID_CHARS
 from hotswap.engine.dp_router import DPRouter, RoutingStats
+from hotswap.engine.prompts import MAX_SESSION_ID_CHARS, is_session_id
 
 SESSION_HEADER = "X-Session-ID"
 RANK_HEADER = "X-data-parallel-rank"
@@ -53,7 +53,7 @@ def request_hints(headers: Any, body: object, num_upstreams: int) -> Hints:
     """The session key and pinned upstream of a request (`headers`: a case-insensitive
     mapping; `body`: its parsed JSON, or None)."""
     session = headers.get(SESSION_HEADER)
-    if session is not None and not 0 < len(session) <= MAX_SESSION_ID_CHARS:
+    if session is not None and not is_session_id(session):
         raise RoutingError(f"{SESSION_HEADER}: must be 1 to {MAX_SESSION_ID_CHARS} characters",
                            SESSION_HEADER)  # fmt: skip
     if session is None and isinstance(body, dict):

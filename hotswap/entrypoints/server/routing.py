@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from hotswap.engine.async_llm import MAX_SESSION_ID_CHARS
+from hotswap.engine.prompts import MAX_SESSION_ID_CHARS, is_session_id
 from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.state import get_engine
 
@@ -35,7 +35,7 @@ def request_routing(
     """The hints of `request`, its headers over the body's `session_id` and `rank`
     (checked already where the body was read); a 400 naming the header at fault."""
     header = request.headers.get(SESSION_HEADER)
-    if header is not None and not 0 < len(header) <= MAX_SESSION_ID_CHARS:
+    if header is not None and not is_session_id(header):
         raise bad_request(f"{SESSION_HEADER}: must be 1 to {MAX_SESSION_ID_CHARS} characters",
                           SESSION_HEADER)  # fmt: skip
     pinned, param = rank, "body.data_parallel_rank"

@@ -8,14 +8,22 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from hotswap.entrypoints.openai.protocol import Int64, NonNegInt64, RequestModel
+from hotswap.entrypoints.openai.protocol import RequestModel
 from hotswap.entrypoints.server.default_only import DefaultOnly, Only, absent
 from hotswap.entrypoints.server.limits import MAX_FLOAT, json_problem
+from hotswap.entrypoints.server.sampling import (
+    MAX_N,
+    Int64,
+    NonNegInt64,
+    Stop,
+    TokenCount,
+    TokenIds,
+)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's, when the field is absent (null: up to the context)
-MAX_N = 1024
 MAX_RID_CHARS = 512
-# SamplingParams' names -> SGLang's, for the errors it raises
+# SamplingParams' names -> SGLang's: where the shared fields are read from, and the names
+# SamplingParams' refusals are given in
 SGLANG_NAMES = {
     "max_tokens": "max_new_tokens",
     "min_tokens": "min_new_tokens",
@@ -25,10 +33,12 @@ SGLANG_NAMES = {
 
 
 class SGLangSampling(RequestModel):
-    """SGLang's sampling_params; null means the default, as in SGLang."""
+    """SGLang's sampling_params; null means the default, as in SGLang. Its own bounds
+    where SGLang's differ from vLLM's: `n` >= 1 here, `top_k` and `sampling_seed` any
+    int64 (a top_k past the vocabulary is every token)."""
 
-    max_new_tokens: NonNegInt64 | None = DEFAULT_MAX_NEW_TOKENS
-    min_new_tokens: NonNegInt64 | None = None
+    max_new_tokens: TokenCount | None = DEFAULT_MAX_NEW_TOKENS
+    min_new_tokens: TokenCount | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: Int64 | None = None  # -1, or more than the vocabulary: every token
@@ -36,8 +46,8 @@ class SGLangSampling(RequestModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt64] | None = None
+    stop: Stop | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None

@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from hotswap.engine.async_llm import MAX_SESSION_ID_CHARS, AsyncLLM
+from hotswap.engine.async_llm import AsyncLLM
+from hotswap.engine.prompts import is_session_id
 from hotswap.entrypoints.openai.constraints import parse_logit_bias
 from hotswap.entrypoints.openai.params import (
     EnginePrompt,
@@ -22,6 +23,7 @@ from hotswap.entrypoints.server.default_only import absent, check_default_only, 
 from hotswap.entrypoints.server.errors import APIError, bad_request
 from hotswap.entrypoints.server.limits import off_loop, printable_field
 from hotswap.entrypoints.server.routing import Routing, request_routing
+from hotswap.entrypoints.server.sampling import build_sampling_params
 from hotswap.entrypoints.server.state import get_server_config
 from hotswap.entrypoints.sglang.protocol import (
     DEFAULT_ONLY,
@@ -34,12 +36,7 @@ from hotswap.entrypoints.sglang.protocol import (
 from hotswap.entrypoints.sglang.render import Job, LogprobSpec
 from hotswap.errors import InvalidArgument
 from hotswap.lora.request import LoRARequest
-from hotswap.sampling_params import (
-    MAX_LOGPROBS,
-    RequestOutputKind,
-    SamplingParams,
-    StructuredOutputsParams,
-)
+from hotswap.sampling_params import MAX_LOGPROBS, RequestOutputKind, StructuredOutputsParams
 from hotswap.structured_output import check_grammar
 
 
@@ -224,7 +221,7 @@ def _routings(request: Request, body: GenerateRequest, count: int) -> list[Routi
 
 
 def _is_key(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and 0 < len(value) <= MAX_SESSION_ID_CHARS)
+    return value is None or is_session_id(value)
 
 
 def _is_salt(value: Any) -> bool:
@@ -305,45 +302,22 @@ def _job(
     # Prompt scores from the second reported position on (the first is never scored).
     scored = spec is not None and spec.start < len(prompt.token_ids) - 1
     try:
-        params = SamplingParams(
-            n=fields.n or 1,
-            temperature=_or(fields.temperature, 1.0),
-            top_p=_or(fields.top_p, 1.0),
-            top_k=_or(fields.top_k, -1),
-            min_p=_or(fields.min_p, 0.0),
-            seed=fields.sampling_seed,
+        params = build_sampling_params(
+            fields,
+            names=SGLANG_NAMES,
             # max_new_tokens 0 scores the prompt: one token is sampled and dropped.
             # Past the context the engine stops with "length", as SGLang clamps.
             max_tokens=None if max_new is None else max(max_new, 1),
-            min_tokens=min_new,
-            stop=fields.stop or [],
-            stop_token_ids=fields.stop_token_ids or [],
-            ignore_eos=bool(fields.ignore_eos),
-            include_stop_str_in_output=bool(fields.no_stop_trim),
             logprobs=None if spec is None else spec.top,
             prompt_logprobs=spec.top if spec is not None and scored else None,
-            repetition_penalty=_or(fields.repetition_penalty, 1.0),
-            presence_penalty=_or(fields.presence_penalty, 0.0),
-            frequency_penalty=_or(fields.frequency_penalty, 0.0),
-            skip_special_tokens=_or(fields.skip_special_tokens, True),
-            spaces_between_special_tokens=_or(fields.spaces_between_special_tokens, True),
-            max_weight_lag=fields.max_weight_lag,
             logit_bias=parse_logit_bias(fields.logit_bias, f"{prefix}.logit_bias", None),
             structured_outputs=_constraint(fields, prefix),
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
-    except InvalidArgument as e:
-        message = str(e)
-        field = e.field or ""
-        name = SGLANG_NAMES.get(field, field)
-        message = message.replace(field, name, 1) if field else message
-        param = f"{prefix}.{name}" if name else prefix
-        raise bad_request(f"{_label(prefix)}.{message}", param) from None
+    except InvalidArgument as e:  # its field and message in SGLang's names already
+        param = f"{prefix}.{e.field}" if e.field else prefix
+        raise bad_request(f"{_label(prefix)}.{e}", param) from None
     return Job(prompt, params, rid, spec, max_new == 0, bool(fields.no_stop_trim))
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 _CONSTRAINTS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}

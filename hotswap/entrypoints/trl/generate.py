@@ -30,6 +30,7 @@ from hotswap.entrypoints.server.default_only import check_default_only
 from hotswap.entrypoints.server.errors import bad_request, validation_param
 from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.server.routing import request_routing
+from hotswap.entrypoints.server.sampling import build_sampling_params
 from hotswap.entrypoints.trl.protocol import (
     DEFAULT_ONLY_KWARGS,
     SAMPLING_KWARGS,
@@ -50,20 +51,12 @@ def sampling_params(body: SamplingFields) -> SamplingParams:
     for name in ("structured_outputs_regex", "guided_decoding_regex"):
         if getattr(body, name) is not None:
             raise bad_request(f"{name}: structured outputs are not supported", f"body.{name}")
-    values: dict[str, Any] = {
-        "n": body.n,
-        "repetition_penalty": body.repetition_penalty,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
-        "max_tokens": body.max_tokens,
-        "logprobs": body.logprobs,
-    }
+    given: dict[str, Any] = {"max_tokens": body.max_tokens, "logprobs": body.logprobs}
+    # generation_kwargs override as given (a "stop" of "" too), as TRL hands them to vLLM
     overrides = _generation_overrides(body.generation_kwargs or {})
-    values.update(overrides)
+    given.update(overrides)
     try:
-        return SamplingParams(**values, output_kind=RequestOutputKind.FINAL_ONLY)
+        return build_sampling_params(body, **given, output_kind=RequestOutputKind.FINAL_ONLY)
     except InvalidArgument as e:
         field = e.field
         if field in overrides:

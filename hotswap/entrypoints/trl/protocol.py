@@ -7,34 +7,36 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hotswap.entrypoints.openai.protocol import (
-    I64,
-    MAX_LOGPROBS,
-    MAX_N,
-    NonNegInt64,
-    RequestModel,
-)
+from hotswap.entrypoints.openai.protocol import RequestModel
 from hotswap.entrypoints.server.default_only import DefaultOnly, Only, equal
 from hotswap.entrypoints.server.errors import bad_request
+from hotswap.entrypoints.server.sampling import (
+    MAX_N,
+    Logprobs,
+    N,
+    NonNegInt64,
+    Seed,
+    Stop,
+    TokenCount,
+    TokenIds,
+    TopK,
+)
 from hotswap.errors import InvalidArgument
 from hotswap.weight_transfer.base import ParamMeta
 from hotswap.weight_transfer.dtypes import parse_dtype_name
-
-TopK = Annotated[int, Field(ge=-1, lt=2**31)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class SamplingFields(RequestModel):
     """The sampling fields /generate/ and /chat/ share (TRL's defaults; the OpenAI
     routes' bounds, value checks left to SamplingParams)."""
 
-    n: Annotated[int, Field(le=MAX_N)] = 1
+    n: N = 1
     repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: TopK = -1
     min_p: float = 0.0
-    max_tokens: NonNegInt64 = 16
+    max_tokens: TokenCount = 16
     logprobs: Logprobs | None = 0
     structured_outputs_regex: str | None = None
     guided_decoding_regex: str | None = None  # its name before TRL 0.27 (vLLM 0.12 support)
@@ -77,11 +79,11 @@ class GenerationKwargs(BaseModel):
     top_p: float = 1.0
     top_k: TopK = 0
     min_p: float = 0.0
-    seed: Annotated[int, Field(ge=-I64, lt=2**64)] | None = None
-    max_tokens: NonNegInt64 | None = 16
-    min_tokens: NonNegInt64 = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt64] | None = None
+    seed: Seed | None = None
+    max_tokens: TokenCount | None = 16
+    min_tokens: TokenCount = 0
+    stop: Stop | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: Logprobs | None = None
