@@ -11,8 +11,11 @@ bf16's and the mean |Δ logprob| of bf16's tokens.
 `llama-1b` is a Llama of 1.2B parameters (hidden 2048, 16 layers) with random weights on
 the default model's tokenizer: this machine holds no larger real model, and speed does not
 depend on the values. Every measurement runs in its own subprocess; the modes alternate
-and each keeps its best run. FP8 KV cache is not built yet; vLLM's CPU build is not run
-here (its `--quantization fp8` needs CUDA or a ROCm/XPU backend for the FP8 linear method).
+and each keeps its best run (on this 2-core VM one process's decode rate varies by up to
+30% from the next's: take the ratios as approximate). FP8 KV cache is not built yet.
+vLLM's CPU build is not run here: its FP8 linear method calls CUDA/ROCm ops (vLLM issue
+#6765: `_C::dynamic_scaled_fp8_quant` has no CPU kernel), and `.venv-vllm` was not
+installed in the session that measured this.
 """
 
 from __future__ import annotations

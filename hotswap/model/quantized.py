@@ -36,9 +36,6 @@ SCALE_NAME = "weight_scale_inv"
 # As the bf16 GEMV (model/layers.py MATVEC_MAX_ROWS): the rows the kernel streams the
 # weights once for.
 FP8_MATVEC_MAX_ROWS = 8
-# Up to this many bf16 rows, the kernel that stages a few weight rows in bf16 at a time;
-# beyond, a dequantized copy and the GEMM library.
-FP8_TILES_MAX_ROWS = 128
 
 
 @dataclass
@@ -108,14 +105,9 @@ def fp8_linear(
 
 def _kernel_for(kernels: LayerKernels | None, x: torch.Tensor):  # noqa: ANN202 - an op
     """The CPU kernel that serves `x`'s rows against FP8 codes, if one does."""
-    if kernels is None or kernels.fp8_gemv is None:
+    if kernels is None or kernels.fp8_gemv is None or x.shape[0] > FP8_MATVEC_MAX_ROWS:
         return None
-    if x.shape[0] <= FP8_MATVEC_MAX_ROWS:
-        return kernels.fp8_gemv
-    tiles = kernels.fp8_linear_tiles
-    if tiles is not None and x.dtype == torch.bfloat16 and x.shape[0] <= FP8_TILES_MAX_ROWS:
-        return tiles
-    return None
+    return kernels.fp8_gemv
 
 
 def quantize_linear(module: nn.Module, shard_sizes: list[int], config: Fp8Config) -> None:

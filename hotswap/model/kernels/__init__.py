@@ -36,11 +36,9 @@ class LayerKernels:
     # a mixture of experts' routed experts in one call, reading nothing back (None: per
     # expert from Python, model/moe.py)
     fused_moe: Callable[..., torch.Tensor] | None
-    # blockwise FP8 weights (model/quantized.py): a few rows against the codes, some tens
-    # of bf16 rows (None where not built), and the codes' values in the activation dtype
-    # (None: torch operators dequantize)
+    # blockwise FP8 weights (model/quantized.py): a few rows against the codes, and the
+    # codes' values in the activation dtype (None: torch operators dequantize)
     fp8_gemv: Callable[..., torch.Tensor] | None
-    fp8_linear_tiles: Callable[..., torch.Tensor] | None
     fp8_dequantize: Callable[..., torch.Tensor] | None
 
 
@@ -71,7 +69,6 @@ class CpuKernels(LayerKernels):
             head_rms_norm=None,
             fused_moe=None,
             fp8_gemv=ops.fp8_gemv,
-            fp8_linear_tiles=ops.fp8_linear_tiles if ops.fp8_tiles_available() else None,
             fp8_dequantize=ops.fp8_dequantize,
             paged_decode_attention=ops.paged_decode_attention,
             paged_decode_attention_tiles=ops.paged_decode_attention_tiles,

@@ -13,6 +13,7 @@ engine runs on torch's own operators instead (same results up to float rounding)
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import threading
@@ -40,12 +41,28 @@ def isa_flags() -> list[str]:
         flags = ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"]
         if torch.cpu._is_avx512_bf16_supported():
             flags.append("-mavx512bf16")
+            if "avx512vbmi" in cpu_flags():  # byte lookups: the FP8 GEMV's decode
+                flags.append("-mavx512vbmi")
             if torch.cpu._is_amx_tile_supported():  # AMX tiles come with their bf16 products
                 flags += ["-mamx-tile", "-mamx-bf16"]
         return [*flags, "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
     if capability == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere): for extensions torch
+    does not report."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def library_name(flags: list[str]) -> str:
@@ -163,10 +180,6 @@ def _register_fakes() -> None:
         return input.new_empty(input.shape[0], weight.shape[0])
 
     @torch.library.register_fake("hotswap_cpu::fp8_gemv")
-    def _(input, codes, scale, scale_rows, block_k):  # noqa: ANN001, ANN202, A002
-        return input.new_empty(input.shape[0], codes.shape[0])
-
-    @torch.library.register_fake("hotswap_cpu::fp8_linear_tiles")
     def _(input, codes, scale, scale_rows, block_k):  # noqa: ANN001, ANN202, A002
         return input.new_empty(input.shape[0], codes.shape[0])
 

@@ -129,7 +129,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         name: str,
         target: tuple[str, Any],
         tensor: torch.Tensor,
-    ) -> str:
+    ) -> set[str]:
         stacked = self._halved(name)
         if stacked is None:
             return super()._load_one(params, name, target, tensor)
@@ -138,7 +138,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         for part in (0, 1):  # [experts, inter, hidden] each: one slice of rows per half
             gate_or_up = tensor.narrow(1, part * half, half)
             super()._load_one(params, name, (stacked, (None, part)), gate_or_up)
-        return self._key(stacked, None)  # the whole stacked tensor: every expert's parts
+        return {self._key(stacked, None)}  # the whole stacked tensor: every expert's parts
 
     def checkpoint_view(self, name: str) -> tuple[str, torch.Tensor] | None:
         stacked = self._halved(name)

@@ -109,10 +109,6 @@ at::Tensor fp8_gemv(const at::Tensor& input, const at::Tensor& codes, const at::
                     const at::Tensor& scale_rows, int64_t block_k);
 at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scale,
                           const at::Tensor& scale_rows, int64_t block_k, at::ScalarType dtype);
-bool fp8_tiles_built();
-at::Tensor fp8_linear_tiles(const at::Tensor& input, const at::Tensor& codes,
-                            const at::Tensor& scale, const at::Tensor& scale_rows,
-                            int64_t block_k);
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& input, at::Tensor& residual, const at::Tensor& weight,
                         double eps);

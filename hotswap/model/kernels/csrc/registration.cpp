@@ -15,9 +15,6 @@
 //            scale_rows, block_k, dtype)
 //       the same over blockwise FP8 weights (fp8_linear.cpp), reading one byte per weight;
 //       and those weights' values in the activation dtype, for larger products.
-//   fp8_tiles_available(), fp8_linear_tiles(input, codes, scale, scale_rows, block_k)
-//       bf16 inputs of some tens of rows against FP8 weights: a few weight rows at a time
-//       dequantized to bf16 in cache, then BF16 dot products (AVX-512 BF16 builds).
 //   rms_norm(input, weight, eps), add_rms_norm(input, residual!, weight, eps)
 //       RMSNorm, after `residual += input` in the fused form (vLLM's fused_add_rms_norm).
 //   rotary_embedding(qk!, cos, sin)
@@ -47,9 +44,6 @@ TORCH_LIBRARY(hotswap_cpu, m) {
         "-> Tensor");
   m.def("fp8_dequantize(Tensor codes, Tensor scale, Tensor scale_rows, int block_k, "
         "ScalarType dtype) -> Tensor");
-  m.def("fp8_tiles_available() -> bool", &hotswap::fp8_tiles_built);
-  m.def("fp8_linear_tiles(Tensor input, Tensor codes, Tensor scale, Tensor scale_rows, "
-        "int block_k) -> Tensor");
   m.def("rms_norm(Tensor input, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
@@ -66,7 +60,6 @@ TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
   m.impl("gemv", &hotswap::gemv);
   m.impl("fp8_gemv", &hotswap::fp8_gemv);
   m.impl("fp8_dequantize", &hotswap::fp8_dequantize);
-  m.impl("fp8_linear_tiles", &hotswap::fp8_linear_tiles);
   m.impl("rms_norm", &hotswap::rms_norm);
   m.impl("add_rms_norm", &hotswap::add_rms_norm);
   m.impl("rotary_embedding", &hotswap::rotary_embedding);
