@@ -225,7 +225,7 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int,
             weight = module.weight
             sizes = model.shard_sizes(name)
             module.lora = LinearLoRA(sizes, weight.shape[1], max_loras, max_rank,
-                                     weight.dtype, weight.device, context)  # fmt: skip
+                                     module.compute_dtype, weight.device, context)  # fmt: skip
             layers[name] = module.lora
     return layers
 

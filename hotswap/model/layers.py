@@ -88,6 +88,7 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), False) if bias else None
+        self.compute_dtype = dtype  # the activations' (an FP8 weight's codes are not)
         self.batch_invariant = batch_invariant
         # set by the runner when its kernels apply / weights are prepacked
         self.matvec: MatVec | None = None

@@ -67,7 +67,11 @@ def test_declared_choices_and_aliases() -> None:
     assert aliased == {
         "kv_cache_memory_bytes": ("--kv-cache-memory",),  # hotswap's older one
         "tensor_parallel_size": ("-tp",),  # vLLM's short form
+        "quantization": ("-q",),  # vLLM's short form
     }
     assert parser.parse_args(["-tp", "2"]).tensor_parallel_size == 2
+    assert parser.parse_args(["-q", "fp8"]).quantization == "fp8"
+    with pytest.raises(argparse.ArgumentError, match="quantization"):
+        parser.parse_args(["--quantization", "awq"])  # not served: refused by the parser
     for name in flag_names("kv_cache_memory_bytes", flags["kv_cache_memory_bytes"]):
         assert parser.parse_args([name, "5"]).kv_cache_memory_bytes == 5

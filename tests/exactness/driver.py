@@ -108,6 +108,7 @@ class Driver:
     def __init__(self, schedule: Schedule, engine: Engine, bank: WeightBank) -> None:
         self.schedule, self.engine, self.bank = schedule, engine, bank
         self.arch = schedule.engine.arch
+        self.fp8 = schedule.engine.fp8
         self.streams: dict[str, Stream] = {}
         self.ledger: Ledger | None = None
         self.paused = self.asleep = self.weights_missing = False
@@ -119,7 +120,7 @@ class Driver:
 
     async def run(self) -> Outcome:
         start = await self.engine.start()
-        self.ledger = Ledger.starting(start, self.bank.state(self.arch))
+        self.ledger = Ledger.starting(start, self.bank.state(self.arch, 0, self.fp8))
         failures: list[Failure] = []
         for number, step in enumerate(self.schedule.steps, 1):
             where = f"step {number} ({describe_step(step)})"
@@ -258,7 +259,7 @@ class Driver:
             deltas += ("whole", "aborted")  # only a disk reload restores unknown weights
         if current.tensors is None and step.kind in deltas:
             return None
-        planned = plan_round(step, current, self.bank, self.arch)
+        planned = plan_round(step, current, self.bank, self.arch, self.fp8)
         label = f"v{self.ledger.current + 1}-{step.kind}"
         before = await self.engine.version()
         await self._send(step, planned, current, label)
@@ -293,7 +294,8 @@ class Driver:
         await self._wake()
         if self.weights_missing:
             await self.engine.load_from_disk(self.bank.model_dir(self.arch), "reloaded")
-            self.ledger.commit(await self.engine.version(), self.bank.state(self.arch), "disk")
+            reloaded = self.bank.state(self.arch, 0, self.fp8)
+            self.ledger.commit(await self.engine.version(), reloaded, "disk")
             self.weights_missing = False
         await self.engine.resume()
         self.paused = False

@@ -69,6 +69,7 @@ def random_spec(rng: random.Random) -> EngineSpec:
         double_buffer=rng.random() < 0.3,
         kv_policy=rng.choice(("keep", "recompute")),
         lora=arch == "llama" and rng.random() < 0.35,
+        fp8=rng.random() < 0.25,
     )
 
 

@@ -14,7 +14,7 @@ from tests.exactness.check import Span
 from tests.exactness.driver import ChoiceSoFar, Stream
 from tests.exactness.schedule import EngineSpec, Submit
 from tests.exactness.trainer import Trainer
-from tests.exactness.weights import WeightBank
+from tests.exactness.weights import FP8_BLOCK, WeightBank
 
 MAX_LORA_RANK = 8
 MAX_LORAS = 2
@@ -42,6 +42,9 @@ def engine_args(spec: EngineSpec, root: Path) -> dict[str, Any]:
     )
     if spec.moe:
         args["enable_return_routed_experts"] = True
+    if spec.fp8:
+        config = {"quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
+        args.update(quantization="fp8", hf_overrides={"quantization_config": config})
     if spec.lora:
         args.update(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=MAX_LORA_RANK)
     return args

@@ -165,6 +165,7 @@ def engine_features(spec: EngineSpec) -> list[str]:
     features = {
         "mixture of experts": spec.moe,
         "LoRA": spec.lora,
+        "FP8 weights": spec.fp8,
         "sparse backend": spec.backend == "sparse",
         "in-flight rounds": spec.in_flight,
         "double buffer": spec.double_buffer,

@@ -29,6 +29,7 @@ class EngineSpec:
     double_buffer: bool = False  # rounds written into a shadow copy, swapped at the commit
     kv_policy: str = "keep"  # what a commit does to running requests' KV by default
     lora: bool = False  # LoRA adapters (dense models only)
+    fp8: bool = False  # FP8 linear weights (16 x 16 blocks), quantized on load and receipt
 
     @property
     def max_model_len(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.exactness import weights
 from tests.exactness.generate import HTTP_SPECS
 from tests.exactness.planted import PLANTS, planted
 from tests.exactness.runner import HTTP_RUN, Budget, Checker, run
@@ -148,3 +149,40 @@ def test_prompt_experts_come_from_the_forward_of_the_first_token(
 ) -> None:
     for _ in range(3):  # the reload lands mid-prefill in most runs
         assert python_checker.check(PROMPT_ROWS_AFTER_A_DROP) == []
+
+
+# FP8 weights: a sparse delta mid-generation (its touched blocks requantized), then a whole
+# round while the request is frozen with its KV dropped; every token against transformers
+# on the dequantized weights each version names.
+FP8_ROUNDS = Schedule(
+    EngineSpec("llama", block_size=8, num_kv_blocks=64, backend="sparse", fp8=True),
+    (
+        Submit("r0", PROMPT, max_tokens=40),
+        Await("r0", 3),
+        Round("sparse", 5, kv_policy="recompute"),
+        Await("r0", 12),
+        Pause("keep", clear_cache=True),
+        Round("whole", 2),
+        Resume(),
+    ),
+)
+
+
+# Found by the checker (seed 7): adapters on an FP8 model took their slots' dtype from the
+# base weight (float8) instead of the activations', and the first adapter step failed.
+FP8_WITH_AN_ADAPTER = Schedule(
+    EngineSpec("llama", block_size=4, num_kv_blocks=128, backend="sparse", lora=True, fp8=True),
+    (Submit("r0", (265,), max_tokens=4, adapter=1), Round("sparse", 3), Await("r0", 4)),
+)
+
+
+def test_an_adapter_on_fp8_weights_is_exact(python_checker: Checker) -> None:
+    assert python_checker.check(FP8_WITH_AN_ADAPTER) == []
+
+
+def test_fp8_rounds_are_exact(python_checker: Checker, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert python_checker.check(FP8_ROUNDS) == []
+    # and the check can fail: against the unquantized weights the logprobs differ
+    monkeypatch.setattr(weights, "as_served", lambda state, key: state)
+    failures = python_checker.check(FP8_ROUNDS)
+    assert failures and failures[0].kind in ("logprob", "token"), failures

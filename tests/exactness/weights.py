@@ -56,7 +56,8 @@ class WeightBank:
             self._dirs[key] = write_tiny_model(self.root / f"{arch}-{key[1]}", arch, key[1])
         return self._dirs[key]
 
-    def state(self, arch: str, seed: int = 0) -> WeightState:
+    def state(self, arch: str, seed: int = 0, fp8: bool = False) -> WeightState:
+        """A checkpoint's weights; `fp8`: as an FP8 engine holds them (dequantized)."""
         key = (arch, seed % NUM_SEEDS)
         if key not in self._states:
             from transformers import AutoModelForCausalLM
@@ -64,7 +65,8 @@ class WeightBank:
             model = AutoModelForCausalLM.from_pretrained(self.model_dir(*key), dtype=torch.float32)
             tensors = {name: t.detach().clone() for name, t in model.state_dict().items()}
             self._states[key] = WeightState(f"{arch}/seed{key[1]}", tensors)
-        return self._states[key]
+        state = self._states[key]
+        return as_served(state, state.key + "/fp8") if fp8 else state
 
     def adapter_dir(self, index: int) -> Path:
         index %= len(ADAPTERS)
@@ -85,16 +87,20 @@ class PlannedRound:
     directory: Path | None = None  # a disk round's checkpoint
 
 
-def plan_round(step: Round, current: WeightState, bank: WeightBank, arch: str) -> PlannedRound:
-    """The tensors of `step` and the weights after it, from the current weights."""
+def plan_round(
+    step: Round, current: WeightState, bank: WeightBank, arch: str, fp8: bool = False
+) -> PlannedRound:
+    """The tensors of `step` and the weights after it, from the current weights. `fp8`:
+    the trainer sends its float32 tensors and the engine holds them quantized (`after`
+    dequantized: what the reference runs)."""
     seed = 1 + step.seed % (NUM_SEEDS - 1)  # another checkpoint than the starting one
-    other = bank.state(arch, seed)
+    other, served = bank.state(arch, seed), bank.state(arch, seed, fp8)
     if step.kind == "relabel":
         return PlannedRound(current)
     if step.kind == "disk":
-        return PlannedRound(other, directory=bank.model_dir(arch, seed))
+        return PlannedRound(served, directory=bank.model_dir(arch, seed))
     if step.kind in ("whole", "aborted"):
-        return PlannedRound(other, tuple(other.tensors.items()))
+        return PlannedRound(served, tuple(other.tensors.items()))
     assert current.tensors is not None, "partial rounds need known weights"
     rng = random.Random(step.seed)
     if step.kind == "partial":
@@ -106,7 +112,29 @@ def plan_round(step: Round, current: WeightState, bank: WeightBank, arch: str) -
     else:
         raise ValueError(f"round kind: {step.kind!r}")
     key = f"{current.key}+{step.kind}{step.seed}"
-    return PlannedRound(WeightState(key, {**current.tensors, **sent}), tuple(sent.items()))
+    after = WeightState(key, {**current.tensors, **sent})
+    return PlannedRound(as_served(after, key) if fp8 else after, tuple(sent.items()))
+
+
+FP8_BLOCK = (16, 16)
+# The checkpoint tensors an FP8 engine stores quantized: the attention and MLP projections
+# (a shared expert's too); not the embeddings, norms, router or stacked routed experts.
+_FP8_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+
+
+def as_served(state: WeightState, key: str) -> WeightState:
+    """`state` as an FP8 engine serves it: each projection quantized (vLLM's blockwise
+    arithmetic, as the engine's quantizer) and dequantized to float32. Quantizing a
+    dequantized tensor gives it back, so unchanged tensors and blocks stay as they were
+    (a delta requantizes only the blocks it touches)."""
+    from hotswap.quantization.fp8 import dequantize_blockwise, quantize_blockwise
+
+    tensors = dict(state.tensors)
+    for name, tensor in tensors.items():
+        if name.endswith(_FP8_SUFFIXES) and ".experts." not in name:
+            codes, scales = quantize_blockwise(tensor, FP8_BLOCK)
+            tensors[name] = dequantize_blockwise(codes, scales, FP8_BLOCK, torch.float32)
+    return WeightState(key, tensors)
 
 
 def _perturbed(tensors: dict[str, torch.Tensor], rng: random.Random) -> dict[str, torch.Tensor]:
