@@ -128,18 +128,6 @@ def quantize_linear(module: nn.Module, shard_sizes: list[int], config: Fp8Config
     module.fp8 = layout
 
 
-@torch.no_grad()
-def write_quantized(
-    module: nn.Module, shard: int | None, codes_view: torch.Tensor, tensor: torch.Tensor
-) -> None:
-    """Checkpoint tensor `tensor` (this rank's part of shard `shard`; bf16 or float32)
-    quantized into its rows `codes_view` of the layer's codes and its scale rows."""
-    layout: Fp8Layout = module.fp8
-    quantize_into(
-        layout, codes_view, layout.scale_view(module.weight_scale_inv.data, shard), tensor
-    )
-
-
 def receipt_refusal(
     name: str, sent: torch.dtype, dest: torch.dtype, checkpoint: bool
 ) -> tuple[str, str] | None:
@@ -207,14 +195,21 @@ def requantize_delta(
     scale_view.copy_(torch.where(touched, scales, scale_view))
 
 
+def _fp8_layer(model: nn.Module, name: str) -> nn.Module | None:
+    """The FP8 layer checkpoint tensor `name` is written to (None: not an FP8 weight, or
+    a model without FP8 layers, such as an adapter's stage)."""
+    find = getattr(model, "checkpoint_fp8_layer", None)
+    return None if find is None else find(name)
+
+
 def write_part(model: nn.Module, name: str, view: torch.Tensor, tensor: torch.Tensor) -> None:
     """Checkpoint tensor `name`'s part `tensor` into `view` (its `checkpoint_view`, or this
     rank's part of it); quantized on the way into an FP8 weight."""
-    target = getattr(model, "quantized_target", lambda _: None)(name)
-    if target is None:
+    layer = _fp8_layer(model, name)
+    if layer is None:
         view.copy_(tensor)
     else:
-        quantize_into(target[0].fp8, view, scale_view_for(target[0], view), tensor)
+        quantize_into(layer.fp8, view, scale_view_for(layer, view), tensor)
 
 
 def write_flat(
@@ -222,9 +217,8 @@ def write_flat(
 ) -> None:
     """Set flat `indices` of checkpoint tensor `name`'s `view` (this rank's share) to
     `values` (a sparse delta); into an FP8 weight through `requantize_delta`."""
-    target = getattr(model, "quantized_target", lambda _: None)(name)
-    if target is None:
+    layer = _fp8_layer(model, name)
+    if layer is None:
         view.view(-1)[indices] = values.to(view.dtype)
     else:
-        module = target[0]
-        requantize_delta(module.fp8, view, scale_view_for(module, view), indices, values)
+        requantize_delta(layer.fp8, view, scale_view_for(layer, view), indices, values)

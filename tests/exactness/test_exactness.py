@@ -176,6 +176,7 @@ FP8_WITH_AN_ADAPTER = Schedule(
 )
 
 
+@pytest.mark.slow
 def test_an_adapter_on_fp8_weights_is_exact(python_checker: Checker) -> None:
     assert python_checker.check(FP8_WITH_AN_ADAPTER) == []
 

@@ -101,8 +101,13 @@ def dequantized_copy(model_dir: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch-ops"])
+# Llama through the kernels is the quick check; the other engines are slow.
+@pytest.mark.parametrize(
+    ("arch", "cpu_kernels"),
+    [("llama", True)] + [pytest.param(arch, kernels, marks=pytest.mark.slow)
+                         for arch, kernels in [("llama", False), ("qwen2", True), ("qwen2", False),
+                                               ("qwen3_moe", True), ("qwen3_moe", False)]],
+)  # fmt: skip
 def test_logits_equal_the_dequantized_model(
     arch, cpu_kernels, tiny_model_factory, tmp_path
 ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotswap.config import resolve_quantization
+from hotswap.config import read_hf_config, resolve_quantization
 from hotswap.errors import InvalidArgument
 from hotswap.quantization.fp8 import (
     FP8_DTYPE,
@@ -93,3 +93,14 @@ def test_the_flag_and_the_checkpoint() -> None:
     with pytest.raises(InvalidArgument) as caught:
         resolve_quantization("int4", {})
     assert caught.value.field == "quantization"
+
+
+@pytest.mark.parametrize("overrides", ["{not json", "[1, 2]", 3])
+def test_bad_hf_overrides_name_the_flag(overrides, tmp_path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(InvalidArgument) as caught:
+        read_hf_config(tmp_path, overrides)
+    assert caught.value.field == "hf_overrides"
+    merged = read_hf_config(tmp_path, '{"quantization_config": {"weight_block_size": [64, 64]}}')
+    assert merged["architectures"] == ["LlamaForCausalLM"]
+    assert resolve_quantization(None, merged).block == (64, 64)

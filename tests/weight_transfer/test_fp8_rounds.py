@@ -3,7 +3,8 @@ quantized on receipt, so a round (whole, partial, double-buffered) lands on exac
 codes and scales a fresh FP8 engine loads from the same weights (digest), and a sparse
 delta on what loading the dequantized weights with the delta gives; FP8 codes, scales or
 engine-format names sent are refused, naming the field, and change nothing; an FP8
-checkpoint loads as it is."""
+checkpoint loads as it is. One bf16 round is the quick check; the rest start several
+engines each: slow."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def test_a_bf16_round_equals_a_fresh_fp8_engine(backend, v1_dir, v2_dir, tmp_pat
     assert torch.equal(qkv.weight_scale_inv[: scales.shape[0]], scales)
 
 
+@pytest.mark.slow
 def test_a_partial_round_requantizes_only_what_it_sends(v1_dir, v2_dir, tmp_path) -> None:
     v1, v2 = load_file(v1_dir / "model.safetensors"), load_file(v2_dir / "model.safetensors")
     llm = fp8_llm(v1_dir)
@@ -85,6 +87,7 @@ def test_a_partial_round_requantizes_only_what_it_sends(v1_dir, v2_dir, tmp_path
     assert digest(llm) != digest(fp8_llm(v1_dir, None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("items", "message"),
     [
@@ -102,6 +105,7 @@ def test_refused_sends_change_nothing(items, message, v1_dir, v2_trainer) -> Non
     assert llm.get_weight_info()["version"] == before["version"] + 1
 
 
+@pytest.mark.slow
 def test_engine_format_is_refused(v1_dir) -> None:
     llm = fp8_llm(v1_dir, "ipc")
     before = llm.get_weight_info()
@@ -114,6 +118,7 @@ def test_engine_format_is_refused(v1_dir) -> None:
     assert llm.get_weight_info() == before
 
 
+@pytest.mark.slow
 def test_a_sparse_delta_requantizes_the_blocks_it_touches(v1_dir, tmp_path) -> None:
     """The delta lands on the dequantized weight; the result equals a fresh FP8 engine
     loaded from the dequantized weights with the delta applied (untouched blocks keep
@@ -136,6 +141,7 @@ def test_a_sparse_delta_requantizes_the_blocks_it_touches(v1_dir, tmp_path) -> N
     assert digest(llm) != digest(fp8_llm(v1_dir, None))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial"])
 def test_a_double_buffered_round_swaps_in_the_quantized_weights(partial, v1_dir, v2_dir) -> None:
     """The round is quantized into the shadow (codes and their scale rows) while the live
@@ -155,6 +161,7 @@ def test_a_double_buffered_round_swaps_in_the_quantized_weights(partial, v1_dir,
     assert digest(llm) == before  # the other buffer, rewritten: round two
 
 
+@pytest.mark.slow
 def test_an_fp8_checkpoint_loads_as_it_is(v1_dir, tmp_path) -> None:
     weights = load_file(v1_dir / "model.safetensors")
     for name in [n for n in weights if n.endswith("proj.weight")]:
@@ -173,6 +180,7 @@ def test_an_fp8_checkpoint_loads_as_it_is(v1_dir, tmp_path) -> None:
         LLM(str(fp8_dir), dtype="float32", progress=False)
 
 
+@pytest.mark.slow
 def test_sleep_and_wake_keep_the_fp8_weights(v1_dir) -> None:
     llm = LLM(str(v1_dir), dtype="float32", progress=False, enable_sleep_mode=True, **FP8)
     before = digest(llm)

@@ -59,6 +59,13 @@ _COUNTERS = (
     ),
     ("hotswap:dp_prefix_hits", "dp_prefix_hits", "Requests sent to the rank caching their prefix."),
 )
+# One series per data-parallel rank: (family, name, help, the stats key of its list).
+_PER_RANK = (
+    (CounterMetricFamily, "hotswap:dp_routed_requests",
+     "Requests sent to each data-parallel rank.", "dp_routed"),
+    (GaugeMetricFamily, "hotswap:dp_prefix_cache_hit_rate",
+     "Each data-parallel rank's prefix-cache hit rate.", "rank_prefix_cache_hit_rate"),
+)  # fmt: skip
 
 
 class _EngineSnapshot(Collector):
@@ -93,20 +100,11 @@ class _EngineSnapshot(Collector):
         for reason, count in sorted(stats.get("finished_requests", {}).items()):
             finished.add_metric([self.model_name, reason], float(count))
         yield finished
-        routed = CounterMetricFamily(
-            "hotswap:dp_routed_requests", "Requests sent to each data-parallel rank.",
-            labels=[*labels, "rank"],
-        )  # fmt: skip
-        for rank, count in enumerate(stats.get("dp_routed", [])):
-            routed.add_metric([self.model_name, str(rank)], float(count))
-        yield routed
-        rank_hits = GaugeMetricFamily(
-            "hotswap:dp_prefix_cache_hit_rate", "Each data-parallel rank's prefix-cache hit rate.",
-            labels=[*labels, "rank"],
-        )  # fmt: skip
-        for rank, rate in enumerate(stats.get("rank_prefix_cache_hit_rate", [])):
-            rank_hits.add_metric([self.model_name, str(rank)], float(rate))
-        yield rank_hits
+        for kind, name, text, key in _PER_RANK:
+            family = kind(name, text, labels=[*labels, "rank"])
+            for rank, value in enumerate(stats.get(key, [])):
+                family.add_metric([self.model_name, str(rank)], float(value))
+            yield family
         yield from snapshot_families(stats, self.model_name)
 
 

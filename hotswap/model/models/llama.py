@@ -26,7 +26,7 @@ from hotswap.model.models.sharding import (
 from hotswap.model.models.spec import DecoderSpec
 from hotswap.model.packed import PackedWeight, packed_copy
 from hotswap.model.parallel import ShardSlice, TPGroup, check_whole_shape
-from hotswap.model.quantized import SCALE_NAME, quantize_linear, write_quantized
+from hotswap.model.quantized import SCALE_NAME, quantize_into, quantize_linear, scale_view_for
 from hotswap.quantization.fp8 import FP8_DTYPE, Fp8Config
 
 # checkpoint projection name -> (fused parameter name, shard index)
@@ -154,12 +154,10 @@ class LlamaForCausalLM(nn.Module):
                 scales.add(f"{name[: -len('weight')]}{SCALE_NAME}" + (f"#{shard}" if shard else ""))
         return scales
 
-    def quantized_target(self, name: str) -> tuple[nn.Module, Any] | None:
-        """(the FP8 linear layer, which of its checkpoint tensors) checkpoint tensor
-        `name` is written to, if it is an FP8 weight."""
+    def checkpoint_fp8_layer(self, name: str) -> nn.Module | None:
+        """The FP8 linear layer checkpoint tensor `name` is written to, if it is one."""
         target = self._map_name(name)
-        module = None if target is None else self.quantized_layer(target[0])
-        return None if module is None else (module, target[1])
+        return None if target is None else self.quantized_layer(target[0])
 
     def quantized_layer(self, param_name: str) -> nn.Module | None:
         """The FP8 linear layer whose codes `param_name` is, if it is one."""
@@ -227,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         key = self._key(param_name, shard)
         owner = self.quantized_layer(param_name)
         if owner is not None and part.dtype != FP8_DTYPE:
-            write_quantized(owner, shard, dest, part)
+            quantize_into(owner.fp8, dest, scale_view_for(owner, dest), part)
             return {key, self._key(param_name[: -len("weight")] + SCALE_NAME, shard)}
         if part.dtype == FP8_DTYPE and (owner is None or self.tp.parallel):
             raise ValueError(
