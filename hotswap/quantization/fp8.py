@@ -23,11 +23,6 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 AMAX_FLOOR = 1e-4  # an all-zero block gets this amax, so its scale is never zero
 DEFAULT_BLOCK = (128, 128)
-# The quantization_config keys vLLM's Fp8Config reads, and the ones it writes beside them.
-_KNOWN_KEYS = {
-    "quant_method", "fmt", "activation_scheme", "weight_block_size", "ignored_layers",
-    "modules_to_not_convert",
-}  # fmt: skip
 
 
 @dataclass(frozen=True)

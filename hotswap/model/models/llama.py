@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         for key in keys:
             name, _, shard = key.partition("#")
             if name.endswith(".weight") and self.quantized_layer(name) is not None:
-                scales.add(f"{name[: -len('weight')]}{SCALE_NAME}" + (f"#{shard}" if shard else ""))
+                scales.add(self._scale_key(name, shard or None))
         return scales
 
     def checkpoint_fp8_layer(self, name: str) -> nn.Module | None:
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         owner = self.quantized_layer(param_name)
         if owner is not None and part.dtype != FP8_DTYPE:
             quantize_into(owner.fp8, dest, scale_view_for(owner, dest), part)
-            return {key, self._key(param_name[: -len("weight")] + SCALE_NAME, shard)}
+            return {key, self._scale_key(param_name, shard)}
         if part.dtype == FP8_DTYPE and (owner is None or self.tp.parallel):
             raise ValueError(
                 f"weights: {name!r} is FP8; FP8 checkpoints load into an FP8 model "
@@ -318,6 +318,11 @@ class LlamaForCausalLM(nn.Module):
         """`keys` with each key that stands for several expected keys (a stacked tensor of
         every expert) replaced by them; dense models have none."""
         return keys
+
+    @classmethod
+    def _scale_key(cls, weight_name: str, shard: Any) -> str:
+        """The key of FP8 weight `weight_name`'s scales (`weight` -> `weight_scale_inv`)."""
+        return cls._key(weight_name[: -len("weight")] + SCALE_NAME, shard)
 
     @staticmethod
     def _key(param_name: str, shard: Any) -> str:
