@@ -12,15 +12,18 @@ the tokens asked for):
 
 hotswap runs with and without `--enable-return-routed-experts` (alternating, best of
 `--repeats`); transformers runs `generate` on the same batches (left-padded); vLLM in its
-own venv (`--with-vllm`). Then the experts' products alone: hotswap's per-expert GEMMs
-(rows grouped by expert) against one padded batched matmul over every expert.
+own venv (`--with-vllm`). Then the experts' products alone: hotswap's fused call (one
+C++ call per layer), the same products launched per expert from Python, and one padded
+batched matmul over every expert.
 
     python benchmarks/moe.py [--experts 16] [--top-k 2] [--repeats 2] [--with-vllm]
+                             [--out benchmarks/results/moe-....json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -157,22 +160,30 @@ def padded_bmm(experts, x, ids, weights):  # noqa: ANN001, ANN201
     return (out.view(tokens, top_k, -1).float() * weights[..., None]).sum(1).to(x.dtype)
 
 
-def expert_products(args: argparse.Namespace) -> list[tuple[int, float, float]]:
-    """(rows, grouped ms, padded bmm ms) for one layer's experts, bf16, best of 20: the
-    grouped GEMMs through hotswap's kernels (the GEMV up to 8 rows), as in the engine."""
+def expert_products(args: argparse.Namespace) -> list[tuple[int, float, float, float]]:
+    """(rows, fused ms, grouped ms, padded bmm ms) for one layer's experts, bf16, best of
+    20: the engine's single fused call (csrc/moe.cpp), the same products launched per
+    expert from Python (the path before it, and batch-invariant mode's), and one padded
+    batched matmul over every expert."""
+    import dataclasses
+
     from hotswap.model.kernels import CpuKernels
     from hotswap.model.moe import FusedExperts, route
 
+    kernels = CpuKernels.load(progress=False)
     experts = FusedExperts(args.experts, 1024, args.expert_size, torch.bfloat16, False)
-    experts.kernels = CpuKernels.load(progress=False)  # as the engine runs them
+    experts.kernels = dataclasses.replace(kernels, fused_moe=None)  # the Python grouping
     torch.nn.init.normal_(experts.gate_up_proj, std=0.05)
     torch.nn.init.normal_(experts.down_proj, std=0.05)
+    fused = functools.partial(kernels.fused_moe, gate_up=experts.gate_up_proj,
+                              down=experts.down_proj)  # fmt: skip
     results = []
     for rows in (1, 8, 64, 1024):
         x = torch.randn(rows, 1024, dtype=torch.bfloat16)
         weights, ids = route(torch.randn(rows, args.experts), args.top_k, True)
         times = []
-        for fn in (experts.forward, lambda *a: padded_bmm(experts, *a)):
+        for fn in (lambda x, ids, weights: fused(x, ids=ids, weights=weights),
+                   experts.forward, lambda *a: padded_bmm(experts, *a)):  # fmt: skip
             best = float("inf")
             with torch.inference_mode():
                 for _ in range(20):
@@ -184,6 +195,16 @@ def expert_products(args: argparse.Namespace) -> list[tuple[int, float, float]]:
     return results
 
 
+def cpu_name() -> str:
+    """This machine's CPU as Linux names it (the results depend on its vector units)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info
+                        if line.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        return "unknown"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=16)
@@ -193,6 +214,7 @@ def main() -> None:
     parser.add_argument("--with-vllm", action="store_true", help="also vLLM's CPU build")
     parser.add_argument("--vllm-venv", default=str(Path(__file__).parent.parent / ".venv-vllm"))
     parser.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help="also write the results as JSON here")
     args = parser.parse_args()
     if args.vllm_worker:
         vllm_worker(args.vllm_worker, args.repeats)
@@ -218,9 +240,16 @@ def main() -> None:
     for name, value in best.items():
         reference = best["hotswap, " + name.rsplit(", ", 1)[1]]
         print(f"| {name} | {value:.1f} | {value / reference:.2f}x |")
-    print("\n| rows (one layer's experts) | grouped GEMMs ms | padded bmm ms |\n|---|---|---|")
-    for rows, grouped, padded in expert_products(args):
-        print(f"| {rows} | {grouped:.2f} | {padded:.2f} |")
+    products = expert_products(args)
+    print("\n| rows (one layer's experts) | fused call ms | per expert from Python ms "
+          "| padded bmm ms |\n|---|---|---|---|")  # fmt: skip
+    for rows, fused, grouped, padded in products:
+        print(f"| {rows} | {fused:.2f} | {grouped:.2f} | {padded:.2f} |")
+    if args.out:
+        shape = dict(experts=args.experts, top_k=args.top_k, expert_size=args.expert_size)
+        record = dict(shape=shape, tok_s=best, expert_products_ms=products,
+                      cpu=cpu_name(), date=time.strftime("%Y-%m-%d"))  # fmt: skip
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

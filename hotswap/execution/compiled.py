@@ -17,6 +17,12 @@ was compiled for. So the ranges do not depend on the configuration (block tables
 and the ranges are in the key (`cache_tag`), so an entry compiled for other ranges (a
 longer `max_model_len`, or a hotswap before this) is never taken for these.
 
+A mixture of experts' decode steps compile too where its routed experts run in the one
+fused kernel call (model/models/moe.py `graphable`): the routing stays inside that call.
+Each sparse block keeps the experts it chose as a module attribute (routing replay);
+Dynamo replays that store after the graph runs, so the runner reads them as after an
+eager step.
+
 Parameters and the KV caches are graph inputs, not constants: weight updates, swaps and
 a re-allocated cache are seen as they are. A step the graphs cannot take (prefill chunks,
 larger batches, a shape they were not compiled for) runs eagerly; `--enforce-eager`, a

@@ -278,6 +278,8 @@ class ModelRunner(RankWeights, RankShadow):
             inputs = self._inputs(batch)
             # the compiled graphs were traced without adapters: adapter steps run eagerly
             logits = None if adapters else compiled_logits(self.compiled, items, inputs)
+            if logits is not None and self.routed_experts is not None:
+                self._read_routed_experts(items, inputs, out)  # the graph set them too
         if logits is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
             if self.routed_experts is not None:

@@ -119,15 +119,24 @@ class FusedExperts(nn.Module):
                              for segment, expert in zip(hidden.split(sizes), hit)])  # fmt: skip
         out = torch.empty_like(grouped)
         out[order] = grouped  # back to (token, slot) order
-        # Each token sums its own slots in slot order: the same for any batch around it.
-        mixed = (out.view(tokens, top_k, -1).float() * weights[..., None]).sum(dim=1)
-        return mixed.to(x.dtype)
+        return mix_slots(out.view(tokens, top_k, -1), weights).to(x.dtype)
 
     def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.invariant:
             return tiled_linear(x, weight, None)
         matvec = self.kernels.gemv if self.kernels is not None else None
         return linear(x, weight, None, matvec)
+
+
+def mix_slots(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over slots j of weights[t, j] * out[t, j] in float32, one slot after another in
+    slot order, as the CPU kernel sums them (torch's sum over the slot dimension picks its
+    order by shape): a token's result is the same for any batch around it."""
+    slots = out.float().unbind(1)
+    mixed = slots[0] * weights[:, :1]
+    for j in range(1, len(slots)):
+        mixed = mixed + slots[j] * weights[:, j : j + 1]
+    return mixed
 
 
 class SparseMoeBlock(nn.Module):

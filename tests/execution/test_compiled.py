@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -37,7 +38,7 @@ def compiled_counts(llm: LLM) -> tuple[int, int]:
     return stats["compiled_decode_steps"], stats["eager_decode_steps"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_compiled_steps_match_transformers(compiling, tiny_model_factory, arch) -> None:  # noqa: ANN001
     model_dir = tiny_model_factory(arch)
     llm, outs, logits = run_engine(
@@ -91,6 +92,30 @@ def test_weight_changes_reach_the_graphs(compiling, tiny_model_factory, tmp_path
     assert tokens(llm) == fresh[0]
     compiled, fallbacks = compiled_counts(llm)
     assert compiled > 0 and fallbacks == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_compiled_moe_steps_return_the_experts_and_logprobs_of_eager_ones(  # noqa: ANN001
+    compiling, tiny_model_factory, arch: str
+) -> None:
+    """The routed experts' single fused call lets a mixture of experts' decode steps
+    compile; the experts each step chose (routing replay) and the logprobs are the eager
+    engine's."""
+    model_dir = tiny_model_factory(arch)
+    args = dict(dtype="float32", block_size=8, progress=False, enable_return_routed_experts=True)
+    compiled = LLM(str(model_dir), **args)
+    eager = LLM(str(model_dir), enforce_eager=True, **args)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    ours = compiled.generate(PROMPTS, params, use_tqdm=False)
+    theirs = eager.generate(PROMPTS, params, use_tqdm=False)
+    steps, fallbacks = compiled_counts(compiled)
+    assert steps >= 10 and fallbacks == 0
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        np.testing.assert_array_equal(a.outputs[0].routed_experts, b.outputs[0].routed_experts)
+        got = [next(iter(step.values())).logprob for step in a.outputs[0].logprobs]
+        want = [next(iter(step.values())).logprob for step in b.outputs[0].logprobs]
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
 def test_falls_back_cleanly_without_compilation(tiny_model_factory, monkeypatch) -> None:  # noqa: ANN001

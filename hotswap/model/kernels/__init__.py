@@ -1,7 +1,8 @@
 """hotswap's own CPU kernels (C++, built once per machine): paged decode attention that
 reads the KV cache in place (over bf16 caches kept in 16-position tiles where the CPU has
 AVX-512 BF16), a GEMV for the few rows of a decode step, AMX linear layers for some tens
-of rows, and fused RMSNorm, RoPE and SiLU-and-mul. The engine falls back to torch's
+of rows, a mixture of experts' routed experts in one call, and fused RMSNorm, RoPE and
+SiLU-and-mul. The engine falls back to torch's
 operators wherever they do not apply or cannot be built."""
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class CpuKernels(LayerKernels):
             rotary_embedding=ops.rotary_embedding,
             silu_and_mul=ops.silu_and_mul,
             head_rms_norm=None,
-            fused_moe=None,
+            fused_moe=ops.fused_moe,
             fp8_gemv=ops.fp8_gemv,
             fp8_dequantize=ops.fp8_dequantize,
             paged_decode_attention=ops.paged_decode_attention,

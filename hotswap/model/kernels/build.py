@@ -206,3 +206,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hotswap_cpu::silu_and_mul")
     def _(gate_up):  # noqa: ANN001, ANN202
         return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+    @torch.library.register_fake("hotswap_cpu::fused_moe")
+    def _(x, gate_up, down, ids, weights):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape)

@@ -43,7 +43,6 @@ _STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
 class MoeForCausalLM(LlamaForCausalLM):
     mixtral = False  # Mixtral's config keys and checkpoint names
-    compilable = False  # routing is data-dependent: decode steps run eagerly
 
     def read_config(self, hf_config: dict[str, Any]) -> None:
         if self.mixtral and hf_config.get("sliding_window") is not None:
@@ -66,11 +65,17 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     @property
     def graphable(self) -> bool:
-        """Whether decode steps may replay as CUDA graphs: where the routed experts run in
-        the fused kernel, which reads nothing back (not in batch-invariant mode)."""
+        """Whether decode steps may run as one graph (compiled on the CPU, a CUDA graph on
+        the GPU): where the routed experts run in one fused kernel call, which reads
+        nothing back (not in batch-invariant mode). Otherwise routing is data-dependent
+        (the experts hit are read back to pick the products to run): steps run eagerly."""
         experts = [block.experts for block in self.sparse_blocks()]
         return all(e.kernels is not None and e.kernels.fused_moe is not None
                    and not e.invariant for e in experts)  # fmt: skip
+
+    @property
+    def compilable(self) -> bool:
+        return self.graphable
 
     def sparse_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoeBlock)]

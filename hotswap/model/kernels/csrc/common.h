@@ -105,6 +105,13 @@ at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tenso
 void write_kv_tiles(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_tiles,
                     at::Tensor& value_tiles, const at::Tensor& slot_mapping);
 at::Tensor gemv(const at::Tensor& input, const at::Tensor& weight);
+// Output columns [n0, n1) of y [M, N] = x [M, K] @ w [N, K]^T on the calling thread (the
+// GEMV's body, which the fused experts run per expert).
+template <typename T>
+void gemv_range(const T* x, int64_t M, const T* w, T* y, int64_t n0, int64_t n1, int64_t N,
+                int64_t K);
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
+                     const at::Tensor& ids, const at::Tensor& weights);
 at::Tensor fp8_gemv(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scale,
                     const at::Tensor& scale_rows, int64_t block_k);
 at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scale,

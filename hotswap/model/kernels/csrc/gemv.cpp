@@ -121,6 +121,33 @@ void gemv_impl(const T* x, int64_t M, const T* w, T* y, int64_t N, int64_t K) {
 
 }  // namespace
 
+template <typename T>
+void gemv_range(const T* x, int64_t M, const T* w, T* y, int64_t n0, int64_t n1, int64_t N,
+                int64_t K) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    gemv_bf16(x, M, w, y, n0, n1, N, K);
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t m = 0; m < M; ++m) gemv_portable<T>(x + m * K, w, y + m * N, n0, n1, K);
+  } else {
+    std::vector<float> xf(K);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t k = 0; k < K; ++k) xf[k] = static_cast<float>(x[m * K + k]);
+      gemv_portable<T>(xf.data(), w, y + m * N, n0, n1, K);
+    }
+  }
+}
+
+template void gemv_range<float>(const float*, int64_t, const float*, float*, int64_t, int64_t,
+                                int64_t, int64_t);
+template void gemv_range<at::BFloat16>(const at::BFloat16*, int64_t, const at::BFloat16*,
+                                       at::BFloat16*, int64_t, int64_t, int64_t, int64_t);
+template void gemv_range<at::Half>(const at::Half*, int64_t, const at::Half*, at::Half*, int64_t,
+                                   int64_t, int64_t, int64_t);
+
 at::Tensor gemv(const at::Tensor& input, const at::Tensor& weight) {
   TORCH_CHECK(input.dim() == 2 && weight.dim() == 2 && input.size(1) == weight.size(1),
               "gemv: input [M, K] and weight [N, K]");

@@ -25,6 +25,9 @@
 //       have the tiles.
 //   silu_and_mul(gate_up)
 //       the gated MLP's activation, silu(gate) * up, into a new [tokens, intermediate].
+//   fused_moe(x, gate_up, down, ids, weights)
+//       a mixture of experts' routed experts in one call (moe.cpp): every (token, slot)
+//       pair through its expert, each token's slots weighted and summed.
 //
 // Built at run time by hotswap/model/kernels/build.py for this machine's instruction set
 // (AVX-512 with BF16 dot products where present; at::vec's portable vectors otherwise).
@@ -48,6 +51,7 @@ TORCH_LIBRARY(hotswap_cpu, m) {
   m.def("add_rms_norm(Tensor input, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("fused_moe(Tensor x, Tensor gate_up, Tensor down, Tensor ids, Tensor weights) -> Tensor");
   m.def("amx_available() -> bool", &hotswap::amx_linear_built);
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor input, Tensor packed, Tensor? bias) -> Tensor");
@@ -64,6 +68,7 @@ TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
   m.impl("add_rms_norm", &hotswap::add_rms_norm);
   m.impl("rotary_embedding", &hotswap::rotary_embedding);
   m.impl("silu_and_mul", &hotswap::silu_and_mul);
+  m.impl("fused_moe", &hotswap::fused_moe);
   m.impl("amx_pack_weight", &hotswap::amx_pack_weight);
   m.impl("amx_linear", &hotswap::amx_linear);
 }
