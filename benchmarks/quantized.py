@@ -1,4 +1,5 @@
-"""FP8 weights (`--quantization fp8`) against bf16, side by side in one run.
+"""FP8 weights (`--quantization fp8`) and the FP8 KV cache (`--kv-cache-dtype fp8`) against
+bf16, side by side in one run.
 
 For each model: decode throughput at 1 request and at 64, a whole weight round from a
 bf16 trainer (IPC, in process) into each engine, and, on the real default model, how far
@@ -12,7 +13,13 @@ bf16's and the mean |Δ logprob| of bf16's tokens.
 the default model's tokenizer: this machine holds no larger real model, and speed does not
 depend on the values. Every measurement runs in its own subprocess; the modes alternate
 and each keeps its best run (on this 2-core VM one process's decode rate varies by up to
-30% from the next's: take the ratios as approximate). FP8 KV cache is not built yet.
+30% from the next's: take the ratios as approximate).
+
+The KV cache section (`--sections kv`), on the default model with bf16 weights: the cache's
+capacity in tokens for the default --kv-cache-memory-bytes, bf16 cache against FP8, and
+decode tokens/s at a long context (`--kv-context`, 2048 by default) for 1 and 8 requests,
+the prompts prefilled (and prefix-cached) before the timed run so it times decode steps.
+A tiny check of the script: `--sections kv --kv-context 64 --kv-output 4 --repeats 1`.
 vLLM's CPU build is not run here: its FP8 linear method calls CUDA/ROCm ops (vLLM issue
 #6765: `_C::dynamic_scaled_fp8_quant` has no CPU kernel), and `.venv-vllm` was not
 installed in the session that measured this.
@@ -29,6 +36,8 @@ import time
 from pathlib import Path
 
 MODES = {"bf16": {}, "fp8": {"quantization": "fp8"}}
+KV_MODES = {"kv_bf16": {}, "kv_fp8": {"kv_cache_dtype": "fp8"}}
+KV_REQUESTS = (1, 8)
 LARGE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
          "num_attention_heads": 32, "num_key_value_heads": 8}  # fmt: skip
 
@@ -61,6 +70,53 @@ def decode(llm, requests: int, prompt: int, output: int) -> float:  # noqa: ANN0
     start = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return requests * output / (time.perf_counter() - start)
+
+
+def long_decode(llm, requests: int, context: int, output: int) -> float:  # noqa: ANN001
+    """Decode tokens/s of `requests` sequences at `context` tokens: the prompts are
+    prefilled first (their blocks then hit the prefix cache), so the timed run decodes."""
+    from hotswap import SamplingParams
+
+    rng = random.Random(requests)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(context)]}
+               for _ in range(requests)]  # fmt: skip
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return requests * output / (time.perf_counter() - start)
+
+
+def kv_worker(args: argparse.Namespace) -> None:
+    from hotswap import LLM
+
+    path, _ = model_dir("default")
+    llm = LLM(path, dtype="bfloat16", progress=False, **KV_MODES[args.mode])
+    runner = llm.engine.runner
+    result = {"kv_tokens": runner.num_blocks * runner.block_size}
+    decode(llm, 2, 16, 16)  # warm-up: first steps of each batch shape, untimed
+    for n in KV_REQUESTS:
+        result[f"decode_{n}"] = long_decode(llm, n, args.kv_context, args.kv_output)
+    print(json.dumps(result))
+
+
+def kv_section(args: argparse.Namespace) -> dict:
+    """bf16 against FP8 KV caches, alternating, each keeping its best decode rates."""
+    best: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for mode in KV_MODES:
+            result = run("--kv-worker", mode, "--kv-context", str(args.kv_context),
+                         "--kv-output", str(args.kv_output))  # fmt: skip
+            prev = best.setdefault(mode, result)
+            for n in KV_REQUESTS:
+                prev[f"decode_{n}"] = max(prev[f"decode_{n}"], result[f"decode_{n}"])
+    print("kv_cache", json.dumps(best), flush=True)
+    fp8, bf16 = best["kv_fp8"], best["kv_bf16"]
+    print(f"  kv_tokens: fp8 / bf16 = {fp8['kv_tokens'] / bf16['kv_tokens']:.2f}x")
+    for n in KV_REQUESTS:
+        ratio = fp8[f"decode_{n}"] / bf16[f"decode_{n}"]
+        print(f"  decode_{n} at {args.kv_context} tokens: fp8 / bf16 = {ratio:.2f}x")
+    return {"context": args.kv_context, "output": args.kv_output, **best}
 
 
 def round_time(llm, path: str) -> float:  # noqa: ANN001
@@ -143,6 +199,11 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["default", "llama-1b"])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", default=None, metavar="FILE")
+    parser.add_argument("--sections", nargs="+", default=["weights", "kv"],
+                        choices=["weights", "kv"])  # fmt: skip
+    parser.add_argument("--kv-context", type=int, default=2048)
+    parser.add_argument("--kv-output", type=int, default=64)
+    parser.add_argument("--kv-worker", metavar="MODE", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--scored", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -151,8 +212,11 @@ def main() -> None:
         return worker(args)
     if args.scored:
         return scored(args)
+    if args.kv_worker:
+        args.mode = args.kv_worker
+        return kv_worker(args)
     rows = {}
-    for model in args.models:
+    for model in args.models if "weights" in args.sections else []:
         best: dict[str, dict] = {}
         for _ in range(args.repeats):
             for mode in MODES:  # alternating, so both see the same machine
@@ -165,9 +229,11 @@ def main() -> None:
         print(model, json.dumps(best), flush=True)
         for key in ("decode_1", "decode_64"):
             print(f"  {key}: fp8 / bf16 = {best['fp8'][key] / best['bf16'][key]:.2f}x")
-    if "default" in args.models:
+    if "default" in args.models and "weights" in args.sections:
         rows["fidelity"] = run("--scored")
         print("fidelity", json.dumps(rows["fidelity"]))
+    if "kv" in args.sections:
+        rows["kv_cache"] = kv_section(args)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

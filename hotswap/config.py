@@ -22,6 +22,10 @@ ATTENTION_BACKENDS = ("TRITON_ATTN", "CPU_ATTN", "TORCH_SDPA")
 # How the data-parallel front end picks a rank for a new request (engine/dp_router.py).
 DP_ROUTING = ("least-loaded", "session", "cache-aware")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
+# vLLM's --kv-cache-dtype values hotswap serves: auto, the model's dtype; fp8 (= fp8_e4m3),
+# float8 e4m3fn codes with one float32 scale per layer for keys and one for values
+# (model/kv_fp8.py). vLLM's fp8_e5m2 and the others are refused, naming the field.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def check_logprobs_mode(mode: object) -> str:
@@ -95,6 +99,11 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3"
+
+    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """What the KV cache's tensors hold."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else model_dtype
 
 
 @dataclass(frozen=True)
@@ -233,6 +242,16 @@ def resolve_quantization(method: str | None, hf_config: dict[str, Any]) -> Fp8Co
     if method is not None and method not in QUANTIZATION_METHODS:
         raise InvalidArgument("quantization", f"quantization: {method!r} is not served; choose fp8")
     return Fp8Config.from_hf(declared)
+
+
+def parse_kv_cache_dtype(value: str) -> str:
+    """--kv-cache-dtype, normalised: "auto" or "fp8_e4m3" (fp8 is e4m3, as in vLLM)."""
+    if value not in KV_CACHE_DTYPES:
+        raise InvalidArgument(
+            "kv_cache_dtype",
+            f"kv_cache_dtype: {value!r} is not served; choose one of {', '.join(KV_CACHE_DTYPES)}",
+        )
+    return "auto" if value == "auto" else "fp8_e4m3"
 
 
 def parse_head_dtype(value: str | None) -> torch.dtype | None:

@@ -15,6 +15,7 @@ from hotswap.config import (
     ATTENTION_BACKENDS,
     DEFAULT_KV_CACHE_BYTES,
     DP_ROUTING,
+    KV_CACHE_DTYPES,
     LOGPROBS_MODES,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
@@ -34,6 +35,7 @@ from hotswap.config import (
     check_ray_installed,
     parse_dtype,
     parse_head_dtype,
+    parse_kv_cache_dtype,
     read_hf_config,
     resolve_model_path,
     resolve_quantization,
@@ -148,6 +150,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int = arg(
         DEFAULT_KV_CACHE_BYTES, "KV cache budget in bytes", aliases=("--kv-cache-memory",)
     )
+    kv_cache_dtype: str = arg("auto", "auto: the model's dtype; fp8 (= fp8_e4m3): e4m3 codes, "
+                              "one k and one v scale per layer (vLLM's flag)",
+                              choices=KV_CACHE_DTYPES)  # fmt: skip
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = arg(True, "split long prompts over several steps")
     max_num_seqs: int = arg(128, "most requests running in one step")
@@ -365,6 +370,7 @@ class EngineArgs:
             num_blocks=self.num_kv_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=parse_kv_cache_dtype(self.kv_cache_dtype),
         )
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -35,6 +35,7 @@ from hotswap.execution.step_inputs import (
 from hotswap.lora.layers import LoRAPlan, ModelLoRA
 from hotswap.model.attention import CacheSpec
 from hotswap.model.cuda.staging import Staging
+from hotswap.model.kv_fp8 import use_fp8_kv
 from hotswap.model.loader import build_model
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
 from hotswap.model.parallel import TPGroup
@@ -108,6 +109,9 @@ class ModelRunner(RankWeights, RankShadow):
             config.model, self.backend, config.batch_invariant, progress, self.device, self.tp
         )
         self.model.use_kernels(kernels.layer_kernels)
+        # what the KV cache holds: the model's dtype, or FP8 codes (--kv-cache-dtype fp8)
+        self.cache_dtype = config.cache.cache_dtype(config.model.dtype)
+        use_fp8_kv(self.model, self.cache_dtype != config.model.dtype)
         self.lora = self._attach_lora()
         self.packed: list[PackedWeight] = self._prepack() if config.prepack_weights else []
         self.num_blocks = self._num_blocks()
@@ -172,9 +176,10 @@ class ModelRunner(RankWeights, RankShadow):
 
     # -- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        """This rank's bytes per block (its key/value heads only)."""
+        """This rank's bytes per block (its key/value heads only), in the cache's dtype (an
+        FP8 cache holds twice a bf16 one's blocks in the same memory)."""
         spec = self.model.spec
-        elem = torch.tensor([], dtype=self.config.model.dtype).element_size()
+        elem = self.cache_dtype.itemsize
         kv_heads = self.model.local_heads[1]
         return 2 * spec.num_layers * self.block_size * kv_heads * spec.head_dim * elem
 
@@ -193,15 +198,15 @@ class ModelRunner(RankWeights, RankShadow):
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         spec = self.model.spec
         heads, kv_heads = self.model.local_heads
-        cache = CacheSpec(self.block_size, heads, kv_heads, spec.head_dim,
-                          self.config.model.dtype, self.device)  # fmt: skip
+        cache = CacheSpec(self.block_size, heads, kv_heads, spec.head_dim, self.cache_dtype,
+                          self.device)  # fmt: skip
         return [self.backend.make_cache(num_blocks, cache) for _ in range(spec.num_layers)]
 
     @on_every_rank
     def free_kv_cache(self) -> None:
         """Release the KV memory (sleep); the scheduler must hold no block by now."""
         spec = self.model.spec
-        empty = torch.empty(0, dtype=self.config.model.dtype, device=self.device)
+        empty = torch.empty(0, dtype=self.cache_dtype, device=self.device)
         if self.graphs is not None:
             self.graphs.release()  # their memory too; recaptured on use after the wake
         self.kv_caches = [(empty, empty)] * spec.num_layers

@@ -14,10 +14,16 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from hotswap.model.kv_fp8 import dequantize_kv, quantize_kv
+
+# A layer's FP8 KV scales (k_scale, v_scale), or None where the cache holds the model dtype.
+KVScales = tuple[float, float] | None
+
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """What a layer's KV cache holds: its blocks' size and the model's attention shape."""
+    """What a layer's KV cache holds: its blocks' size and the model's attention shape;
+    `dtype`, the cache's (float8_e4m3fn with --kv-cache-dtype fp8, else the model's)."""
 
     block_size: int
     num_heads: int
@@ -95,6 +101,7 @@ class AttentionBackend(Protocol):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # as make_cache made them
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: KVScales = None,  # an FP8 cache's: written quantized, read dequantized
     ) -> torch.Tensor: ...
 
 
@@ -189,10 +196,25 @@ def write_kv(
     value: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales = None,
 ) -> None:
     k_cache, v_cache = kv_cache
+    if kv_scales is not None:  # e4m3 codes, copied as bytes (index_copy_ has no float8)
+        key = quantize_kv(key, kv_scales[0]).view(torch.uint8)
+        value = quantize_kv(value, kv_scales[1]).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+
+
+def dequantized(
+    keys: torch.Tensor, values: torch.Tensor, kv_scales: KVScales, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values read from the cache, in `dtype` where the cache is FP8 (as is else)."""
+    if kv_scales is None:
+        return keys, values
+    assert dtype is not None
+    return dequantize_kv(keys, kv_scales[0], dtype), dequantize_kv(values, kv_scales[1], dtype)
 
 
 def gather_context(cache: torch.Tensor, seq: SequenceSlice) -> torch.Tensor:
@@ -208,26 +230,30 @@ class TorchPagedAttention:
     def make_cache(self, num_blocks: int, spec: CacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return natural_cache(num_blocks, spec)
 
-    def context(self, kv_cache, seq: SequenceSlice) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-        """[context_len, kv_heads, dim] keys and values of one sequence."""
-        return gather_context(kv_cache[0], seq), gather_context(kv_cache[1], seq)
+    def context(self, kv_cache, seq: SequenceSlice, kv_scales: KVScales = None,  # noqa: ANN001
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """[context_len, kv_heads, dim] keys and values of one sequence (an FP8 cache's
+        dequantized into `dtype`)."""
+        keys, values = gather_context(kv_cache[0], seq), gather_context(kv_cache[1], seq)
+        return dequantized(keys, values, kv_scales, dtype)
 
-    def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
-        write_kv(key, value, kv_cache, meta.slot_mapping)
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_scales=None):  # noqa: ANN001
+        write_kv(key, value, kv_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(query)
         for group in meta.decode_groups:
-            out[group.rows] = self._decode(query, kv_cache, group, scale)
+            out[group.rows] = self._decode(query, kv_cache, group, scale, kv_scales)
         for seq in meta.sequences:
             rows = slice(seq.row_start, seq.row_start + seq.num_queries)
-            out[rows] = self._sequence(query[rows], kv_cache, seq, scale)
+            out[rows] = self._sequence(query[rows], kv_cache, seq, scale, kv_scales)
         return out
 
     @staticmethod
-    def _decode(query, kv_cache, group: DecodeGroup, scale) -> torch.Tensor:  # noqa: ANN001
+    def _decode(query, kv_cache, group: DecodeGroup, scale, kv_scales=None) -> torch.Tensor:  # noqa: ANN001
         batch = group.size
         # index_select copies whole blocks: ~2.5x faster than advanced indexing here.
         keys = kv_cache[0].index_select(0, group.blocks)
         values = kv_cache[1].index_select(0, group.blocks)
+        keys, values = dequantized(keys, values, kv_scales, query.dtype)
         keys = keys.view(batch, -1, *keys.shape[2:]).transpose(1, 2)  # [B, kv_heads, L, dim]
         values = values.view(batch, -1, *values.shape[2:]).transpose(1, 2)
         q = query[group.rows].unsqueeze(2)  # [B, heads, 1, dim]
@@ -236,8 +262,8 @@ class TorchPagedAttention:
         )
         return out.squeeze(2)
 
-    def _sequence(self, query, kv_cache, seq, scale) -> torch.Tensor:  # noqa: ANN001
-        keys, values = self.context(kv_cache, seq)
+    def _sequence(self, query, kv_cache, seq, scale, kv_scales=None) -> torch.Tensor:  # noqa: ANN001
+        keys, values = self.context(kv_cache, seq, kv_scales, query.dtype)
         keys, values = keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
         q = query.transpose(0, 1).unsqueeze(0)  # [1, heads, queries, dim]
         num_cached = seq.context_len - seq.num_queries
@@ -269,18 +295,20 @@ class BatchInvariantAttention:
     def make_cache(self, num_blocks: int, spec: CacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
         return natural_cache(num_blocks, spec)
 
-    def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
-        write_kv(key, value, kv_cache, meta.slot_mapping)
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_scales=None):  # noqa: ANN001
+        write_kv(key, value, kv_cache, meta.slot_mapping, kv_scales)
         out = torch.empty_like(query)
         for seq in _all_sequences(meta):
             rows = slice(seq.row_start, seq.row_start + seq.num_queries)
-            out[rows] = self._sequence(query[rows], kv_cache, seq, scale)
+            out[rows] = self._sequence(query[rows], kv_cache, seq, scale, kv_scales)
         return out
 
-    def _sequence(self, query, kv_cache, seq, scale) -> torch.Tensor:  # noqa: ANN001
+    def _sequence(self, query, kv_cache, seq, scale, kv_scales=None) -> torch.Tensor:  # noqa: ANN001
         heads = query.shape[1]
-        keys = _padded_heads(gather_context(kv_cache[0], seq), heads)  # [heads, Lp, dim]
-        values = _padded_heads(gather_context(kv_cache[1], seq), heads)
+        keys, values = gather_context(kv_cache[0], seq), gather_context(kv_cache[1], seq)
+        keys, values = dequantized(keys, values, kv_scales, query.dtype)
+        keys = _padded_heads(keys, heads)  # [heads, Lp, dim]
+        values = _padded_heads(values, heads)
         first_pos = seq.context_len - seq.num_queries
         lead = first_pos % QUERY_TILE
         total = lead + seq.num_queries

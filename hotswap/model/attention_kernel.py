@@ -6,7 +6,8 @@ in 16-position tiles per kv head, laid out for BF16 dot products (see
 csrc/paged_attention_tiles.cpp): a decode step reads them as they are, at ~1.2-1.4x the
 natural layout's speed; new tokens are written into their tiles, and a prefill chunk with
 cached context has the tiles rearranged into rows for SDPA. Elsewhere the cache keeps the
-natural [blocks, block_size, kv_heads, dim] layout and the portable kernel.
+natural [blocks, block_size, kv_heads, dim] layout and the portable kernel, which also
+reads an FP8 cache's e4m3 codes (--kv-cache-dtype fp8: never tiled).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from hotswap.model.attention import (
     CacheSpec,
     DecodeBatch,
+    KVScales,
     SequenceSlice,
     TorchPagedAttention,
     natural_cache,
@@ -58,27 +60,35 @@ class PagedKernelAttention(TorchPagedAttention):
                                               spec.head_dim, spec.block_size)  # fmt: skip
         return (tiled_cache if self.tiled else natural_cache)(num_blocks, spec)
 
-    def context(self, kv_cache, seq: SequenceSlice) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
-        return untile(*kv_cache, seq) if self.tiled else super().context(kv_cache, seq)
+    def context(self, kv_cache, seq: SequenceSlice, kv_scales: KVScales = None,  # noqa: ANN001
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if self.tiled:  # bf16 only: never FP8
+            return untile(*kv_cache, seq)
+        return super().context(kv_cache, seq, kv_scales, dtype)
 
-    def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_scales=None):  # noqa: ANN001
         if self.tiled:
             self.kernels.write_kv_tiles(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
         else:
-            write_kv(key, value, kv_cache, meta.slot_mapping)
+            write_kv(key, value, kv_cache, meta.slot_mapping, kv_scales)
         batch = meta.decode_batch
         if batch is not None and not meta.sequences:  # a pure decode step: one call
-            return self._decode(query, kv_cache, batch, scale)
+            return self._decode(query, kv_cache, batch, scale, kv_scales)
         out = query.new_empty(query.shape)
         if batch is not None:
-            out[batch.rows] = self._decode(query[batch.rows], kv_cache, batch, scale)
+            out[batch.rows] = self._decode(query[batch.rows], kv_cache, batch, scale, kv_scales)
         for seq in meta.sequences:
             rows = slice(seq.row_start, seq.row_start + seq.num_queries)
-            out[rows] = self._sequence(query[rows], kv_cache, seq, scale)
+            out[rows] = self._sequence(query[rows], kv_cache, seq, scale, kv_scales)
         return out
 
-    def _decode(self, query, kv_cache, batch: DecodeBatch, scale) -> torch.Tensor:  # noqa: ANN001
-        decode = (self.kernels.paged_decode_attention_tiles if self.tiled
-                  else self.kernels.paged_decode_attention)  # fmt: skip
+    def _decode(self, query, kv_cache, batch: DecodeBatch, scale, kv_scales=None) -> torch.Tensor:  # noqa: ANN001
         keys, values = kv_cache
-        return decode(query, keys, values, batch.block_tables, batch.context_lens, scale)
+        tables, lens = batch.block_tables, batch.context_lens
+        if self.tiled:
+            return self.kernels.paged_decode_attention_tiles(query, keys, values, tables, lens,
+                                                             scale)  # fmt: skip
+        if kv_scales is None:
+            return self.kernels.paged_decode_attention(query, keys, values, tables, lens, scale)
+        return self.kernels.paged_decode_attention(query, keys, values, tables, lens, scale,
+                                                   *kv_scales)  # fmt: skip

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from hotswap.config import ModelConfig
 from hotswap.errors import InvalidArgument
 from hotswap.model.attention import AttentionBackend
+from hotswap.model.kv_fp8 import set_checkpoint_kv_scales, split_kv_scales
 from hotswap.model.models.registry import get_model_class
 from hotswap.model.parallel import TPGroup
 from hotswap.model.quantized import SCALE_NAME
@@ -48,9 +49,15 @@ def load_checkpoint(model: nn.Module, model_dir: Path, progress: bool = True) ->
     bar = tqdm(
         total=total, desc="Loading weights", unit="tensor", disable=not progress, leave=False
     )
+    kv_scales: dict[int, dict[str, float]] = {}  # an FP8 KV cache's, where it has them
     with torch.no_grad():
-        loaded = model.load_weights(_counting(iter_safetensors(files), bar))
+        loaded = model.load_weights(split_kv_scales(_counting(iter_safetensors(files), bar),
+                                                    kv_scales))  # fmt: skip
     bar.close()
+    try:
+        set_checkpoint_kv_scales(model, kv_scales)
+    except ValueError as e:
+        raise InvalidArgument("model", str(e)) from None
     missing = sorted(model.expected_checkpoint_keys() - loaded)
     if missing:
         shown = ", ".join(model.checkpoint_name(name) for name in missing[:5])

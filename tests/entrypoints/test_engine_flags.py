@@ -73,5 +73,8 @@ def test_declared_choices_and_aliases() -> None:
     assert parser.parse_args(["-q", "fp8"]).quantization == "fp8"
     with pytest.raises(argparse.ArgumentError, match="quantization"):
         parser.parse_args(["--quantization", "awq"])  # not served: refused by the parser
+    assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    with pytest.raises(argparse.ArgumentError, match="kv-cache-dtype"):
+        parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"])  # not served: refused by the parser
     for name in flag_names("kv_cache_memory_bytes", flags["kv_cache_memory_bytes"]):
         assert parser.parse_args([name, "5"]).kv_cache_memory_bytes == 5

@@ -195,3 +195,19 @@ def test_engines_of_other_lengths_share_one_compile_cache(tiny_model_factory, tm
     (failure,) = [line for line in log.splitlines() if "could not be compiled" in line]
     assert "Constraints violated" in failure, log
     assert "Traceback" not in log and "Error while creating guard" not in log, log
+
+
+def test_an_fp8_kv_cache_compiles_and_matches_the_eager_steps(
+    compiling, tiny_model_factory
+) -> None:  # noqa: ANN001
+    # The graphs write and read e4m3 codes (the quantize and the kernel's scales inside).
+    model_dir = tiny_model_factory("llama")
+    args = dict(max_new_tokens=16, block_size=8, max_num_batched_tokens=32, kv_cache_dtype="fp8")
+    llm, outs, logits = run_engine(model_dir, PROMPTS, **args)
+    compiled, eager = compiled_counts(llm)
+    assert compiled >= 10 and eager == 0
+    with torch._dynamo.config.patch(disable=True):
+        _, eager_outs, eager_logits = run_engine(model_dir, PROMPTS, **args)
+    for out, other, ours, theirs in zip(outs, eager_outs, logits, eager_logits):
+        assert out.outputs[0].token_ids == other.outputs[0].token_ids
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)

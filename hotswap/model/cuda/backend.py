@@ -61,7 +61,8 @@ class TritonAttention:
         self.kv_heads = spec.num_kv_heads
         return natural_cache(num_blocks, spec)
 
-    def forward(self, query, key, value, kv_cache, meta, scale):  # noqa: ANN001
+    def forward(self, query, key, value, kv_cache, meta, scale, kv_scales=None):  # noqa: ANN001
+        # kv_scales: always None here (an FP8 cache is refused with TRITON_ATTN, kernel_choice)
         k_cache, v_cache = kv_cache
         torch.ops.hotswap_gpu.store_kv_(key, value, k_cache, v_cache, meta.slot_mapping)
         out = query.new_empty(query.shape)

@@ -78,6 +78,10 @@ class Attention(nn.Module):
         self.register_buffer("k_cache", torch.empty(0, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.empty(0, dtype=dtype), persistent=False)
         self.kernels: LayerKernels | None = None  # RoPE in place when set
+        # FP8 KV cache (model/kv_fp8.py): the checkpoint's scales, and what the backend is
+        # given: (k_scale, v_scale) with an FP8 cache, None (no quantization) otherwise.
+        self.k_scale = self.v_scale = 1.0
+        self.kv_scales: tuple[float, float] | None = None
 
     def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -97,7 +101,8 @@ class Attention(nn.Module):
         q, k = qk.split([heads, kv_heads], dim=1)
         if self.k_cache.numel() == 0:
             raise RuntimeError("attention: no KV cache is bound to the model")
-        out = self.backend.forward(q, k, v, (self.k_cache, self.v_cache), meta, self.scale)
+        out = self.backend.forward(q, k, v, (self.k_cache, self.v_cache), meta, self.scale,
+                                   self.kv_scales)  # fmt: skip
         return self.o_proj(out.reshape(tokens, -1))
 
     def _head_norms(self, qk: torch.Tensor) -> torch.Tensor:

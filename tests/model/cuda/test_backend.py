@@ -99,3 +99,11 @@ def test_each_backend_is_checked_against_the_device(tiny_llama, monkeypatch) -> 
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(InvalidArgument, match="TRITON_ATTN: on the host the Triton kernels"):
         choose_kernels(config(tiny_llama, attention_backend="TRITON_ATTN"), cpu, False)
+
+
+def test_an_fp8_kv_cache_is_refused_by_the_triton_kernels(tiny_llama) -> None:  # noqa: ANN001
+    # Not yet in the Triton kernels: named with TRITON_ATTN, refused naming the field.
+    fp8 = config(tiny_llama, attention_backend="TRITON_ATTN", kv_cache_dtype="fp8")
+    with pytest.raises(InvalidArgument, match="kv_cache_dtype: an FP8 KV cache") as error:
+        choose_kernels(fp8, torch.device("cpu"), False)
+    assert error.value.field == "kv_cache_dtype"

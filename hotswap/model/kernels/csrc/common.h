@@ -98,7 +98,8 @@ constexpr int64_t kMaxTileGroup = 8;
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& context_lens, double scale, double k_scale,
+                                  double v_scale);
 at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tensor& key_tiles,
                                         const at::Tensor& value_tiles, const at::Tensor& block_tables,
                                         const at::Tensor& context_lens, double scale);

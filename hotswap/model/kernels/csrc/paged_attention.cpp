@@ -2,18 +2,59 @@
 // one query token per sequence attends to its context read in place from the paged cache
 // (no gather into a copy); online softmax over the blocks in order, float32 throughout.
 // Any dtype, head size and group size; bf16 caches on CPUs with AVX-512 BF16 are kept in
-// tiles instead and read by paged_attention_tiles.cpp.
-#include "common.h"
+// tiles instead and read by paged_attention_tiles.cpp. An FP8 cache (--kv-cache-dtype fp8)
+// holds e4m3 codes, read as their values / 2^8 (fp8_codes.h): the layer's k_scale and the
+// 2^8 fold into the query's scale, its v_scale and the 2^8 into the output's, so a key or
+// value costs no multiply of its own.
+#include "fp8_codes.h"
 
 namespace hotswap {
 namespace {
 
-// Paged decode attention, portable path: any dtype, head size and group size.
+// 2 * kLanes cache elements, and one, as float32: the model dtype's values, or FP8 codes'
+// values / 2^8.
+template <typename C>
+inline std::pair<FVec, FVec> load_cache_pair(const C* p) {
+  return load_pair<C>(p);
+}
+template <>
+inline std::pair<FVec, FVec> load_cache_pair<uint8_t>(const uint8_t* p) {
+  return {widen_codes(p), widen_codes(p + kLanes)};
+}
+template <typename C>
+inline float cache_value(C x) {
+  return static_cast<float>(x);
+}
+template <>
+inline float cache_value<uint8_t>(uint8_t x) {
+  return code_value(x);
+}
+
+// acc[0, D) += p * v[0, D), v a row of the value cache. The model dtype's caches keep the
+// scalar loop (their results unchanged by the FP8 cache's arrival); FP8 rows go by vectors.
+template <typename C>
+inline void add_value_row(float* acc, float p, const C* v, int64_t D, int64_t dmain) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<C, uint8_t>) {
+    const FVec pv(p);
+    for (; d < dmain; d += 2 * kLanes) {
+      auto [lo, hi] = load_cache_pair<C>(v + d);
+      at::vec::fmadd(lo, pv, FVec::loadu(acc + d)).store(acc + d);
+      at::vec::fmadd(hi, pv, FVec::loadu(acc + d + kLanes)).store(acc + d + kLanes);
+    }
+  }
+  for (; d < D; ++d) acc[d] += p * cache_value<C>(v[d]);
+}
+
+// Paged decode attention, portable path: any dtype, head size and group size; C, the
+// cache's element (T, or uint8_t for FP8 codes). `scale` multiplies the query (the softmax
+// scale, times an FP8 cache's k_scale * 2^8), out_scale the output (1, or v_scale * 2^8).
 // One task per (sequence, kv head); its G query heads share every key and value row read.
-template <typename T>
-void decode_portable(const T* q, const T* kc, const T* vc, const int64_t* tables,
-                     const int64_t* lens, float scale, T* out, int64_t B, int64_t H,
-                     int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks, int64_t q_stride) {
+template <typename T, typename C>
+void decode_portable(const T* q, const C* kc, const C* vc, const int64_t* tables,
+                     const int64_t* lens, float scale, float out_scale, T* out, int64_t B,
+                     int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t max_blocks,
+                     int64_t q_stride) {
   const int64_t G = H / KVH, pos_stride = KVH * D, block_stride = bs * KVH * D;
   const int64_t dmain = D - D % (2 * kLanes);
   at::parallel_for(0, B * KVH, 1, [&](int64_t first, int64_t last) {
@@ -29,20 +70,20 @@ void decode_portable(const T* q, const T* kc, const T* vc, const int64_t* tables
       std::fill(row_sum.begin(), row_sum.end(), 0.f);
       for (int64_t j = 0; j * bs < len; ++j) {
         const int64_t n = std::min(bs, len - j * bs);
-        const T* kb = kc + tables[b * max_blocks + j] * block_stride + h * D;
-        const T* vb = vc + tables[b * max_blocks + j] * block_stride + h * D;
+        const C* kb = kc + tables[b * max_blocks + j] * block_stride + h * D;
+        const C* vb = vc + tables[b * max_blocks + j] * block_stride + h * D;
         for (int64_t t = 0; t < n; ++t) {
-          const T* k = kb + t * pos_stride;
+          const C* k = kb + t * pos_stride;
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * D;
             FVec a(0.f);
             for (int64_t d = 0; d < dmain; d += 2 * kLanes) {
-              auto [lo, hi] = load_pair<T>(k + d);
+              auto [lo, hi] = load_cache_pair<C>(k + d);
               a = at::vec::fmadd(lo, FVec::loadu(qg + d), a);
               a = at::vec::fmadd(hi, FVec::loadu(qg + d + kLanes), a);
             }
             float s = reduce_sum(a);
-            for (int64_t d = dmain; d < D; ++d) s += static_cast<float>(k[d]) * qg[d];
+            for (int64_t d = dmain; d < D; ++d) s += cache_value<C>(k[d]) * qg[d];
             scores[g * bs + t] = s;
           }
         }
@@ -61,17 +102,14 @@ void decode_portable(const T* q, const T* kc, const T* vc, const int64_t* tables
           for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= correction;
         }
         for (int64_t t = 0; t < n; ++t) {
-          const T* v = vb + t * pos_stride;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * bs + t];
-            float* ag = acc.data() + g * D;
-            for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<float>(v[d]);
-          }
+          const C* v = vb + t * pos_stride;
+          for (int64_t g = 0; g < G; ++g)
+            add_value_row<C>(acc.data() + g * D, scores[g * bs + t], v, D, dmain);
         }
       }
       for (int64_t g = 0; g < G; ++g) {
         T* dst = out + (b * H + h * G + g) * D;
-        const float inv = 1.f / row_sum[g];
+        const float inv = out_scale / row_sum[g];
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[g * D + d] * inv);
       }
     }
@@ -97,15 +135,19 @@ void check_block_tables(const at::Tensor& tables, const at::Tensor& lens, int64_
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale, double k_scale,
+                                  double v_scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "paged_decode_attention: query [B, H, D], caches [blocks, block_size, kv_heads, D]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) &&
                   key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_decode_attention: query rows [H, D] and the caches must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  query.scalar_type() == value_cache.scalar_type(),
-              "paged_decode_attention: query and caches must share a dtype");
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
+                  (fp8 || query.scalar_type() == key_cache.scalar_type()),
+              "paged_decode_attention: the caches must share the query's dtype or be float8_e4m3fn");
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
+              "paged_decode_attention: k_scale and v_scale apply to FP8 caches only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
                   block_tables.is_contiguous() && context_lens.is_contiguous(),
               "paged_decode_attention: block_tables and context_lens must be contiguous int64");
@@ -121,10 +163,19 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   HOTSWAP_DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
-    decode_portable<scalar_t>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                              value_cache.data_ptr<scalar_t>(), tables, lens,
-                              static_cast<float>(scale), out.data_ptr<scalar_t>(), B, H, KVH, D,
-                              bs, max_blocks, query.stride(0));
+    if (fp8) {
+      const auto* kc = reinterpret_cast<const uint8_t*>(key_cache.data_ptr());
+      const auto* vc = reinterpret_cast<const uint8_t*>(value_cache.data_ptr());
+      decode_portable<scalar_t, uint8_t>(
+          query.data_ptr<scalar_t>(), kc, vc, tables, lens,
+          static_cast<float>(scale * k_scale * kHalfShift), static_cast<float>(v_scale * kHalfShift),
+          out.data_ptr<scalar_t>(), B, H, KVH, D, bs, max_blocks, query.stride(0));
+      return;
+    }
+    decode_portable<scalar_t, scalar_t>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+                                        value_cache.data_ptr<scalar_t>(), tables, lens,
+                                        static_cast<float>(scale), 1.f, out.data_ptr<scalar_t>(),
+                                        B, H, KVH, D, bs, max_blocks, query.stride(0));
   });
   return out;
 }

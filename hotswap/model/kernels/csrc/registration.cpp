@@ -2,7 +2,8 @@
 //
 //   paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
 //       one query token per sequence attends to its context read in place from the paged
-//       cache (no gather into a copy); online softmax over the blocks in order.
+//       cache (no gather into a copy); online softmax over the blocks in order. An FP8
+//       cache (float8_e4m3fn) is read as code x k_scale (keys), code x v_scale (values).
 //   paged_decode_attention_tiles(query, key_tiles, value_tiles, block_tables, context_lens,
 //                                scale), write_kv_tiles(key, value, key_tiles!, value_tiles!,
 //                                slot_mapping)
@@ -37,7 +38,8 @@
 
 TORCH_LIBRARY(hotswap_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, float scale, float k_scale=1.0, "
+        "float v_scale=1.0) -> Tensor");
   m.def("paged_decode_attention_tiles(Tensor query, Tensor key_tiles, Tensor value_tiles, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("write_kv_tiles(Tensor key, Tensor value, Tensor(a!) key_tiles, Tensor(b!) value_tiles, "

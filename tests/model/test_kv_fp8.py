@@ -1,0 +1,162 @@
+"""The FP8 KV cache (--kv-cache-dtype fp8): the quantizer's arithmetic, the CPU decode kernel
+and every torch attention path against a float64 reference over keys and values quantized
+and dequantized the same way (vLLM's: value / scale saturated to +-448, rounded to nearest
+even; read back as code x scale)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from hotswap.model.attention import (
+    BatchInvariantAttention,
+    CacheSpec,
+    TorchPagedAttention,
+    build_metadata,
+)
+from hotswap.model.attention_kernel import PagedKernelAttention
+from hotswap.model.kernels import CpuKernels, load_cpu_kernels
+from hotswap.model.kv_fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv, split_kv_scales
+from tests.model.test_kernels import LENS, SHAPES, random_batch, reference_decode
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="no C++ compiler: the engine runs on torch operators here",
+)
+SCALES = [(1.0, 1.0), (0.37, 2.5)]
+
+
+def test_quantize_saturates_and_rounds_to_nearest_even() -> None:
+    x = torch.tensor([1000.0, -1000.0, 448.0, 0.0, 1.0625, 1.1875, 3e-3, -2e-4])
+    codes = quantize_kv(x, 1.0)
+    assert codes.dtype == FP8_KV_DTYPE
+    # 1.0625 lies halfway between 1.0 and 1.125: even mantissa (1.0); 1.1875 -> 1.25
+    want = [448.0, -448.0, 448.0, 0.0, 1.0, 1.25, 2**-8, 0.0]  # subnormal steps of 2^-9
+    assert codes.float().tolist() == want
+    halved = quantize_kv(x, 2.0)  # value / scale
+    assert halved.float().tolist() == quantize_kv(x / 2, 1.0).float().tolist()
+    doubled = [2 * w for w in halved.float().tolist()]
+    assert dequantize_kv(halved, 2.0, torch.float32).tolist() == doubled
+
+
+def test_dequantize_rounds_the_product_to_the_dtype() -> None:
+    codes = quantize_kv(torch.randn(256, generator=torch.Generator().manual_seed(0)), 1.0)
+    want = (codes.double() * 0.37).to(torch.float32).to(torch.bfloat16)
+    assert torch.equal(dequantize_kv(codes, 0.37, torch.bfloat16), want)
+    assert torch.equal(dequantize_kv(codes, 1.0, torch.bfloat16), codes.to(torch.bfloat16))
+
+
+def fp8_batch(heads, kv_heads, dim, block_size, lens, dtype, scales):  # noqa: ANN001, ANN201
+    """A random batch whose caches hold FP8 codes, and those caches dequantized (float64)."""
+    q, k, v, tables, lens_t = random_batch(heads, kv_heads, dim, block_size, lens, dtype)
+    k_codes, v_codes = quantize_kv(k * 3, scales[0]), quantize_kv(v * 3, scales[1])
+    k_ref = k_codes.double() * scales[0]
+    v_ref = v_codes.double() * scales[1]
+    return q, k_codes, v_codes, k_ref, v_ref, tables, lens_t
+
+
+@needs_compiler
+@pytest.mark.parametrize("scales", SCALES, ids=["unit", "scaled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_kernel_over_fp8_caches_matches_the_dequantized_reference(shape, dtype, scales) -> None:
+    assert load_cpu_kernels(progress=False)
+    heads, kv_heads, dim, block_size = shape
+    q, kc, vc, k_ref, v_ref, tables, lens = fp8_batch(heads, kv_heads, dim, block_size, LENS,
+                                                      dtype, scales)  # fmt: skip
+    scale = dim**-0.5
+    out = torch.ops.hotswap_cpu.paged_decode_attention(q, kc, vc, tables, lens, scale, *scales)
+    assert out.dtype == dtype
+    expected = reference_decode(q, k_ref, v_ref, tables, lens, scale)
+    # float32 arithmetic over exact inputs; bf16: the output rounded (2^-8 of values ~3 x)
+    atol = 5e-2 if dtype == torch.bfloat16 else 2e-5 * max(scales[1], 1.0)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+
+
+@needs_compiler
+def test_kernel_refuses_scales_on_a_model_dtype_cache_and_mixed_caches() -> None:
+    assert load_cpu_kernels(progress=False)
+    ops = torch.ops.hotswap_cpu
+    q, k, v, tables, lens = random_batch(4, 2, 16, 8, [5], torch.float32)
+    with pytest.raises(RuntimeError, match="FP8 caches only"):
+        ops.paged_decode_attention(q, k, v, tables, lens, 0.25, 0.5, 1.0)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        ops.paged_decode_attention(q, quantize_kv(k, 1.0), v, tables, lens, 0.25)
+
+
+def reference_attention(query, keys, values, scale) -> torch.Tensor:  # noqa: ANN001
+    """float64 causal attention of one sequence's last queries over its [L, kv, D] context."""
+    n, heads, length = query.shape[0], query.shape[1], keys.shape[0]
+    group = heads // keys.shape[1]
+    keys = keys.double().repeat_interleave(group, dim=1)
+    values = values.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,lhd->hql", query.double(), keys) * scale
+    positions = torch.arange(length - n, length)
+    mask = torch.arange(length)[None, :] > positions[:, None]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    return torch.einsum("hql,lhd->qhd", scores.softmax(-1), values)
+
+
+def backends() -> list:
+    made = [TorchPagedAttention(), BatchInvariantAttention()]
+    kernels = CpuKernels.load(progress=False) if shutil.which("c++") else None
+    return made + ([PagedKernelAttention(kernels)] if kernels is not None else [])
+
+
+@pytest.mark.parametrize("scales", SCALES, ids=["unit", "scaled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: type(b).__name__)
+def test_backends_write_codes_and_attend_over_them(backend, dtype, scales) -> None:  # noqa: ANN001
+    """Two steps over an FP8 cache: prompts (one crossing blocks), then a mixed step of
+    decodes and a chunk with cached context; each against the float64 reference over K/V
+    quantized and dequantized; the cache holds exactly the quantized codes."""
+    heads, kv_heads, dim, bs = 6, 2, 16, 8
+    spec = CacheSpec(bs, heads, kv_heads, dim, FP8_KV_DTYPE, torch.device("cpu"))
+    cache = backend.make_cache(24, spec)
+    assert cache[0].dtype == FP8_KV_DTYPE
+    generator = torch.Generator().manual_seed(3)
+    tables = [[5, 2, 9], [3], [7, 1, 0, 11]]  # decode rows first, as the runner sorts them
+    history = [(torch.empty(0, kv_heads, dim), torch.empty(0, kv_heads, dim)) for _ in tables]
+    for query_lens, context_lens in (([19, 1, 3], [19, 1, 3]), ([1, 1, 9], [20, 2, 12])):
+        total = sum(query_lens)
+        q = torch.randn(total, heads, dim, generator=generator).to(dtype)
+        k = (torch.randn(total, kv_heads, dim, generator=generator) * 4).to(dtype)
+        v = (torch.randn(total, kv_heads, dim, generator=generator) * 4).to(dtype)
+        slots, row, expected = [], 0, []
+        for i, (n, length) in enumerate(zip(query_lens, context_lens)):
+            slots += [tables[i][p // bs] * bs + p % bs for p in range(length - n, length)]
+            # read back as the torch paths do: code x scale rounded to the dtype
+            ks, vs = (dequantize_kv(quantize_kv(x[row : row + n], s), s, dtype).double()
+                      for x, s in ((k, scales[0]), (v, scales[1])))  # fmt: skip
+            history[i] = (torch.cat([history[i][0], ks]), torch.cat([history[i][1], vs]))
+            expected.append(reference_attention(q[row : row + n], *history[i], dim**-0.5))
+            row += n
+        meta = build_metadata(query_lens, context_lens, tables, torch.tensor(slots), bs,
+                              dtype, decode_batch=backend.reads_decode_batch)  # fmt: skip
+        out = backend.forward(q, k, v, cache, meta, dim**-0.5, scales)
+        # bf16: values of a few units, rounded in SDPA's bf16 steps and the output
+        tol = (2e-2, 1e-2) if dtype == torch.bfloat16 else (1e-5 * max(scales[1], 1), 0)
+        torch.testing.assert_close(out.double(), torch.cat(expected), atol=tol[0], rtol=tol[1])
+        flat = cache[0].view(-1, kv_heads, dim)
+        want = quantize_kv(k, scales[0])
+        assert torch.equal(flat[torch.tensor(slots)].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_checkpoint_scales_in_vllm_spellings_are_taken_out() -> None:
+    one = torch.tensor(0.5)
+    items = [
+        ("model.layers.0.self_attn.k_scale", one),
+        ("model.layers.0.self_attn.attn.v_scale", torch.tensor([2.0])),
+        ("model.layers.1.self_attn.k_proj.output_scale", torch.tensor(0.25)),
+        ("model.layers.1.self_attn.v_proj.v_scale", torch.tensor(4.0)),
+        ("model.layers.2.self_attn.kv_scale", torch.tensor(3.0)),
+        ("model.layers.0.self_attn.k_proj.weight", one),
+        ("model.layers.0.self_attn.k_proj.weight_scale_inv", one),
+    ]
+    found: dict[int, dict[str, float]] = {}
+    rest = [name for name, _ in split_kv_scales(iter(items), found)]
+    assert rest == ["model.layers.0.self_attn.k_proj.weight",
+                    "model.layers.0.self_attn.k_proj.weight_scale_inv"]  # fmt: skip
+    assert found == {0: {"k": 0.5, "v": 2.0}, 1: {"k": 0.25, "v": 4.0}, 2: {"k": 3.0, "v": 3.0}}
