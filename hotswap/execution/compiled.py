@@ -50,6 +50,7 @@ MAX_ROWS = MATVEC_MAX_ROWS  # beyond it the GEMMs dominate and Python costs litt
 # Block-table widths every engine's graphs take (1M tokens of context at block size 16);
 # a longer max_model_len widens the range, under a key of its own.
 MAX_BLOCK_COLUMNS = 1 << 16
+_RECOMPILE_LIMIT = 256  # graphs of one process's engines together (two per engine)
 
 
 def compilation_available() -> bool:
@@ -95,7 +96,11 @@ class CompiledDecode:
         bar = tqdm(total=2, desc=desc, disable=not progress, leave=False)
         tag = cache_tag(self.max_blocks)
         try:
-            with torch.compiler.config.patch(cache_key_tag=tag), _without_guard_tracebacks():
+            # Dynamo keeps every engine's graphs on the one code object (`_logits`), whose
+            # entries it counts against recompile_limit (8): the limit is per process, the
+            # graphs are per engine, so engines past the fourth would not compile
+            with (torch.compiler.config.patch(cache_key_tag=tag), _without_guard_tracebacks(),
+                  torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT)):  # fmt: skip
                 self._compile_both(bar)
         except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op: run eagerly
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

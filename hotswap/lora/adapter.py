@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hotswap.errors import InvalidArgument
+from hotswap.lora.experts import build_expert_layers, is_expert_module, parse_target_parameters
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -37,8 +38,6 @@ _UNSUPPORTED = {
     "fan_in_fan_out": False,
     "lora_bias": False,
     "modules_to_save": None,
-    # peft's adapters on stacked parameters: a mixture of experts' routed experts
-    "target_parameters": None,
 }
 _MAX_PATTERN_CHARS = 256  # a rank_pattern or alpha_pattern key (a regular expression)
 _ids = itertools.count(1)
@@ -50,6 +49,8 @@ class AdapterConfig:
     alpha: float
     use_rslora: bool
     target_modules: tuple[str, ...] | str  # PEFT's: names, "all-linear" or a regex
+    # PEFT's stacked parameters: a mixture of experts' routed experts (lora/experts.py)
+    target_parameters: tuple[str, ...] = ()
     # PEFT's per-module r and lora_alpha: (pattern, value) in the config's order; a module
     # takes the first pattern that matches the end of its name (peft's get_pattern_key)
     rank_pattern: tuple[tuple[str, int], ...] = ()
@@ -61,7 +62,10 @@ class AdapterConfig:
 
     def scaling_of(self, module: str) -> float:
         """What `module`'s B is multiplied by: its alpha over its r (or sqrt(r), rsLoRA)."""
-        rank, alpha = self.rank_of(module), _pattern_value(self.alpha_pattern, module, self.alpha)
+        return self.scaling_for(module, self.rank_of(module))
+
+    def scaling_for(self, module: str, rank: int) -> float:
+        alpha = _pattern_value(self.alpha_pattern, module, self.alpha)
         return alpha / (math.sqrt(rank) if self.use_rslora else rank)
 
     @property
@@ -97,9 +101,11 @@ class AdapterConfig:
                           f"an integer in [1, --max-lora-rank {max_rank}]")  # fmt: skip
         alphas = _patterns(raw.get("alpha_pattern"), f"{where}: alpha_pattern", field, _number,
                            "a number")  # fmt: skip
-        return cls(rank, alpha, bool(raw.get("use_rslora", False)),
-                   _targets(raw.get("target_modules"), field, where), ranks,
-                   alphas)  # fmt: skip
+        parameters = parse_target_parameters(raw.get("target_parameters"), field, where)
+        modules = raw.get("target_modules")
+        targets = () if parameters and modules in (None, []) else _targets(modules, field, where)
+        return cls(rank, alpha, bool(raw.get("use_rslora", False)), targets, parameters,
+                   ranks, alphas)  # fmt: skip
 
 
 def _pattern_value(patterns: tuple[tuple[str, Any], ...], module: str, default: Any) -> Any:
@@ -165,7 +171,9 @@ class AdapterWeights:
     process: KV computed under it is cached under it (a reload under the same name gets a
     new uid, so it never reuses the old one's blocks). `layers` maps the model's linear
     layer (e.g. `model.layers.3.self_attn.qkv_proj`) to {shard: (A [r, in], B [out, r])},
-    B already multiplied by the scaling."""
+    and a mixture of experts' routed experts (`model.layers.3.mlp.experts`) to
+    {"gate_up_proj" / "down_proj": (A [experts, r, in], B [experts, out, r])}, B already
+    multiplied by the scaling."""
 
     name: str
     path: str | None
@@ -221,9 +229,18 @@ def build_adapter(
     tensor when one does not fit the model (unknown module, missing half, wrong shape or
     rank). `model` provides `checkpoint_view(name)` (the decoder models do)."""
     pairs = _pairs(tensors.items())
-    layers: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    expert_pairs = {m: pair for m, pair in pairs.items() if is_expert_module(m)}
+    layers: dict[str, dict[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+    if expert_pairs:
+        layers.update(build_expert_layers(expert_pairs, config, model, dtype, config.max_rank))
+    elif config.target_parameters:
+        raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: target_parameters "
+                              f"{list(config.target_parameters)} have no lora_A/lora_B "
+                              "tensors")  # fmt: skip
     targeted: set[str] = set()
     for module, (a, b) in sorted(pairs.items()):
+        if module in expert_pairs:
+            continue
         projection = module.rsplit(".", 1)[-1]
         if projection not in TARGETS:
             raise InvalidArgument(

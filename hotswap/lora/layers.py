@@ -25,7 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.lora.adapter import AdapterWeights
+from hotswap.lora.experts import PARAMETERS as EXPERT_PARAMETERS
+from hotswap.lora.experts import ExpertLoRA
 from hotswap.model.layers import Linear, tiled_linear
+from hotswap.model.moe import FusedExperts
 from hotswap.model.parallel import ShardSlice
 
 
@@ -217,11 +220,14 @@ class SlotTable:
 
 
 def attach_lora(model: nn.Module, max_loras: int, max_rank: int,
-                context: LoRAContext) -> dict[str, LinearLoRA]:  # fmt: skip
-    """Give every linear layer an adapter may target its slots; returns them by name."""
-    layers = {}
+                context: LoRAContext) -> dict[str, LinearLoRA | ExpertLoRA]:  # fmt: skip
+    """Give every linear layer an adapter may target its slots, and every mixture of
+    experts' routed experts theirs; returns them by name."""
+    layers: dict[str, LinearLoRA | ExpertLoRA] = {}
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in LORA_LAYERS:
+        if isinstance(module, FusedExperts):
+            module.lora = layers[name] = ExpertLoRA(module, max_loras, max_rank, context)
+        elif isinstance(module, Linear) and name.rsplit(".", 1)[-1] in LORA_LAYERS:
             weight = module.weight
             sizes = model.shard_sizes(name)
             module.lora = LinearLoRA(sizes, weight.shape[1], max_loras, max_rank,
@@ -269,10 +275,12 @@ class ModelLoRA:
         self.layers = attach_lora(model, max_loras, max_rank, self.context)
         self.slots = SlotTable(self.layers, max_loras)
         self.max_loras, self.max_rank, self.invariant = max_loras, max_rank, invariant
-        weight = next(iter(self.layers.values())).a
+        weight = next(layer.a for layer in self.layers.values() if isinstance(layer, LinearLoRA))
         self.dtype, self.device = weight.dtype, weight.device
-        # per layer, per shard: this rank's slice of the weight (None: whole)
+        # per layer, per shard: this rank's slice of the weight (None: whole; routed experts
+        # are whole: their adapters are refused under tensor parallelism)
         self.pieces = {name: _pieces(model, name, len(layer.shard_sizes))
+                       if isinstance(layer, LinearLoRA) else dict.fromkeys(EXPERT_PARAMETERS)
                        for name, layer in self.layers.items()}  # fmt: skip
 
     def plan(self, chunks: Sequence[tuple[AdapterWeights | None, int]]) -> LoRAPlan | None:

@@ -88,7 +88,8 @@ class PagedKernelAttention(TorchPagedAttention):
         if self.tiled:
             return self.kernels.paged_decode_attention_tiles(query, keys, values, tables, lens,
                                                              scale)  # fmt: skip
-        if kv_scales is None:
-            return self.kernels.paged_decode_attention(query, keys, values, tables, lens, scale)
+        # the scales always passed: Inductor's C++ wrapper leaves defaulted arguments out of
+        # the call, which the dispatcher then refuses
+        k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
         return self.kernels.paged_decode_attention(query, keys, values, tables, lens, scale,
-                                                   *kv_scales)  # fmt: skip
+                                                   k_scale, v_scale)  # fmt: skip

@@ -96,11 +96,14 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), False)
         self.invariant = invariant
         self.kernels: LayerKernels | None = None  # GEMV and fused activation when set
+        self.lora: Any = None  # adapter slots (lora/experts.py ExpertLoRA) when LoRA is on
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]), for each token t."""
+        """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]), for each token t
+        (each expert with the adapter of t's row, if any)."""
         fused = self.kernels.fused_moe if self.kernels is not None else None
-        if fused is not None and not self.invariant:  # the GPU's: no host sync
+        adapters = self.lora.active_slots() if self.lora is not None else []
+        if fused is not None and not self.invariant and not adapters:  # no host sync
             return fused(x, self.gate_up_proj, self.down_proj, ids, weights)
         tokens, top_k = ids.shape
         flat = ids.reshape(-1)
@@ -114,9 +117,14 @@ class FusedExperts(nn.Module):
         up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         gate_up = torch.cat([self._linear(segment, up[expert])
                              for segment, expert in zip(rows.split(sizes), hit)])  # fmt: skip
+        if adapters:
+            pairs = (order // top_k, flat[order])  # each grouped row's token and expert
+            self.lora.add("gate_up_proj", rows, gate_up, *pairs, adapters)
         hidden = self.kernels.silu_and_mul(gate_up) if self.kernels else silu_and_mul(gate_up)
         grouped = torch.cat([self._linear(segment, down[expert])
                              for segment, expert in zip(hidden.split(sizes), hit)])  # fmt: skip
+        if adapters:
+            self.lora.add("down_proj", hidden, grouped, *pairs, adapters)
         out = torch.empty_like(grouped)
         out[order] = grouped  # back to (token, slot) order
         return mix_slots(out.view(tokens, top_k, -1), weights).to(x.dtype)

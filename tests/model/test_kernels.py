@@ -71,7 +71,7 @@ def test_paged_decode_attention_matches_reference(ops, dtype, shape) -> None:  #
     heads, kv_heads, dim, block_size = shape
     q, k, v, tables, lens = random_batch(heads, kv_heads, dim, block_size, LENS, dtype)
     scale = dim**-0.5
-    out = ops.paged_decode_attention(q, k, v, tables, lens, scale)
+    out = ops.paged_decode_attention(q, k, v, tables, lens, scale, 1.0, 1.0)
     expected = reference_decode(q, k, v, tables, lens, scale)
     # bf16: inputs are exact in float64; the output is rounded to bf16 (2^-8 relative)
     atol = 2e-2 if dtype == torch.bfloat16 else 1e-5
@@ -84,10 +84,10 @@ def test_a_sequence_gets_the_same_bits_alone_or_in_a_batch(ops, dtype) -> None: 
     # sequence's result.
     lens = [37 + 13 * i for i in range(40)]
     q, k, v, tables, lens_t = random_batch(9, 3, 64, 16, lens, dtype)
-    together = ops.paged_decode_attention(q, k, v, tables, lens_t, 0.125)
+    together = ops.paged_decode_attention(q, k, v, tables, lens_t, 0.125, 1.0, 1.0)
     for b in (0, 17, 39):
         alone = ops.paged_decode_attention(q[b : b + 1], k, v, tables[b : b + 1],
-                                           lens_t[b : b + 1], 0.125)  # fmt: skip
+                                           lens_t[b : b + 1], 0.125, 1.0, 1.0)  # fmt: skip
         assert torch.equal(alone[0], together[b])
 
 
@@ -97,8 +97,8 @@ def test_query_rows_may_be_strided(ops) -> None:  # noqa: ANN001
     fused = torch.cat([q, torch.zeros(2, 3, 64, dtype=q.dtype)], dim=1)
     view = fused[:, :9]
     assert not view.is_contiguous()
-    out = ops.paged_decode_attention(view, k, v, tables, lens, 0.125)
-    assert torch.equal(out, ops.paged_decode_attention(q, k, v, tables, lens, 0.125))
+    out = ops.paged_decode_attention(view, k, v, tables, lens, 0.125, 1.0, 1.0)
+    assert torch.equal(out, ops.paged_decode_attention(q, k, v, tables, lens, 0.125, 1.0, 1.0))
 
 
 def test_bad_tables_are_refused_not_read(ops) -> None:  # noqa: ANN001
@@ -106,11 +106,11 @@ def test_bad_tables_are_refused_not_read(ops) -> None:  # noqa: ANN001
     bad = tables.clone()
     bad[1, 1] = k.shape[0]  # one past the last block
     with pytest.raises(RuntimeError, match="not in the cache"):
-        ops.paged_decode_attention(q, k, v, bad, lens, 0.125)
+        ops.paged_decode_attention(q, k, v, bad, lens, 0.125, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="does not fit"):
-        ops.paged_decode_attention(q, k, v, tables, torch.tensor([20, 10_000]), 0.125)
+        ops.paged_decode_attention(q, k, v, tables, torch.tensor([20, 10_000]), 0.125, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="does not fit"):
-        ops.paged_decode_attention(q, k, v, tables, torch.tensor([0, 20]), 0.125)
+        ops.paged_decode_attention(q, k, v, tables, torch.tensor([0, 20]), 0.125, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -83,7 +83,7 @@ def test_kernel_refuses_scales_on_a_model_dtype_cache_and_mixed_caches() -> None
     with pytest.raises(RuntimeError, match="FP8 caches only"):
         ops.paged_decode_attention(q, k, v, tables, lens, 0.25, 0.5, 1.0)
     with pytest.raises(RuntimeError, match="float8_e4m3fn"):
-        ops.paged_decode_attention(q, quantize_kv(k, 1.0), v, tables, lens, 0.25)
+        ops.paged_decode_attention(q, quantize_kv(k, 1.0), v, tables, lens, 0.25, 1.0, 1.0)
 
 
 def reference_attention(query, keys, values, scale) -> torch.Tensor:  # noqa: ANN001

@@ -164,8 +164,7 @@ def _register_fakes() -> None:
     """Shapes for torch.compile's tracing (the ops themselves are opaque to it)."""
 
     @torch.library.register_fake("hotswap_cpu::paged_decode_attention")
-    def _(query, key_cache, value_cache, block_tables, context_lens, scale, k_scale=1.0,  # noqa: ANN001, ANN202
-          v_scale=1.0):  # fmt: skip
+    def _(query, key_cache, value_cache, block_tables, context_lens, scale, k_scale, v_scale):  # noqa: ANN001, ANN202
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("hotswap_cpu::paged_decode_attention_tiles")

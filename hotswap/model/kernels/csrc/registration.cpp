@@ -1,6 +1,7 @@
 // hotswap's CPU kernels, registered as torch ops (torch.ops.hotswap_cpu.*):
 //
-//   paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale)
+//   paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, scale,
+//                          k_scale, v_scale)
 //       one query token per sequence attends to its context read in place from the paged
 //       cache (no gather into a copy); online softmax over the blocks in order. An FP8
 //       cache (float8_e4m3fn) is read as code x k_scale (keys), code x v_scale (values).
@@ -38,8 +39,8 @@
 
 TORCH_LIBRARY(hotswap_cpu, m) {
   m.def("paged_decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale, float k_scale=1.0, "
-        "float v_scale=1.0) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, float scale, float k_scale, "
+        "float v_scale) -> Tensor");
   m.def("paged_decode_attention_tiles(Tensor query, Tensor key_tiles, Tensor value_tiles, "
         "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.def("write_kv_tiles(Tensor key, Tensor value, Tensor(a!) key_tiles, Tensor(b!) value_tiles, "

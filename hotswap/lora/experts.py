@@ -1,0 +1,205 @@
+"""LoRA on a mixture of experts' routed experts: peft's `target_parameters` adapters on
+the stacked `mlp.experts.gate_up_proj` [experts, 2 x inter, hidden] and
+`mlp.experts.down_proj` [experts, hidden, inter] (transformers 5's layout, the model's).
+
+peft's layout (`lora.ParamWrapper` on a 3-D parameter stored [experts, out, in]):
+`lora_A` [r x experts, in] holds expert e's A in rows e*r .. (e+1)*r; `lora_B`
+[out, r x experts] holds the experts interleaved, column k*experts + e being column k of
+expert e's B; expert e's weight becomes W[e] + scaling * B_e @ A_e. Two parameters of one
+module are two nested wrappers, so one spells its keys `experts.lora_A.weight` and the
+other `experts.base_layer.lora_A.weight`; which is which follows the wrapping order, so
+each pair is told apart by its shapes (the two pairs' shapes always differ: they would
+need hidden = inter = 2 x inter).
+
+Applied per (token, expert) pair inside the experts' block, before the activation for
+gate/up and before the slots are mixed for down: each adapter's pairs, grouped by expert,
+run as two batched products (shrink, expand) per projection, padded to the busiest
+expert's count, and are added to the base products' rows.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from hotswap.errors import InvalidArgument
+
+# The stacked parameters an adapter may target, and their (out, in) dims in the model's
+# [experts, out, in] layout, as names of FusedExperts' sizes.
+PARAMETERS = ("gate_up_proj", "down_proj")
+_EXPERTS = re.compile(r"(?P<experts>.+\.experts)(?:\.base_layer)*")
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+# projection -> {"gate_up_proj": (A [experts, r, in], B [experts, out, r] scaled)}
+ExpertMatrices = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def parse_target_parameters(value: Any, field: str, where: str) -> tuple[str, ...]:
+    """peft's `target_parameters`: each entry names a stacked expert parameter (its last
+    segment `gate_up_proj` or `down_proj`, e.g. `mlp.experts.gate_up_proj`)."""
+    if value in (None, []):
+        return ()
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise InvalidArgument(field, f"{where}: target_parameters must be a list of names")
+    unknown = [v for v in value if v.rsplit(".", 1)[-1] not in PARAMETERS]
+    if unknown:
+        raise InvalidArgument(
+            field, f"{where}: target_parameters {unknown} are not supported (a mixture of "
+            "experts' stacked mlp.experts.gate_up_proj and mlp.experts.down_proj are)"
+        )  # fmt: skip
+    return tuple(value)
+
+
+def is_expert_module(module: str) -> bool:
+    """Whether a PEFT module name (`model.layers.0.mlp.experts.base_layer`) is a routed
+    experts' wrapper."""
+    return _EXPERTS.fullmatch(module) is not None
+
+
+def build_expert_layers(
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], config: Any, model: Any,
+    dtype: torch.dtype, max_rank: int,
+) -> dict[str, ExpertMatrices]:  # fmt: skip
+    """{the model's experts module: {parameter: (A [experts, r, in], B [experts, out, r]
+    times the scaling)}}; InvalidArgument (`lora_path`) naming the tensor or setting at
+    fault."""
+    if not config.target_parameters:
+        module = next(iter(pairs))
+        raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module} adapts routed experts "
+                              "but adapter_config.json has no target_parameters")  # fmt: skip
+    layers: dict[str, ExpertMatrices] = {}
+    for module, (a, b) in sorted(pairs.items()):
+        name = _EXPERTS.fullmatch(module)["experts"].replace(".block_sparse_moe.", ".mlp.")
+        experts = _experts_of(model, name, module)
+        parameter = _which_parameter(module, a, b, experts)
+        if parameter in layers.setdefault(name, {}):
+            raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module}: two adapters on "
+                                  f"{name}.{parameter}")  # fmt: skip
+        count = experts.gate_up_proj.shape[0]
+        rank = a.shape[0] // count
+        if rank > max_rank:
+            raise InvalidArgument(
+                "lora_path", f"{WEIGHTS_FILE}: {module}.lora_A: r = {rank} per expert "
+                f"exceeds adapter_config.json's r ({max_rank})"
+            )  # fmt: skip
+        scaling = config.scaling_for(name, rank)
+        a3 = a.reshape(count, rank, -1)
+        b3 = b.reshape(b.shape[0], rank, count).permute(2, 0, 1)
+        layers[name][parameter] = (a3.to(dtype).contiguous(),
+                                   (b3.float() * scaling).to(dtype).contiguous())  # fmt: skip
+    return layers
+
+
+def _experts_of(model: Any, name: str, module: str) -> Any:
+    from hotswap.model.moe import FusedExperts
+
+    blocks = getattr(model, "sparse_blocks", None)
+    if blocks is None or not blocks():
+        raise InvalidArgument("lora_path", "adapter_config.json: target_parameters: this "
+                              "model has no routed experts (not a mixture of experts)")  # fmt: skip
+    try:
+        experts = model.get_submodule(name)
+    except AttributeError:
+        experts = None
+    if not isinstance(experts, FusedExperts):
+        raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module} is not a mixture of "
+                              "experts' routed experts of this model")  # fmt: skip
+    if getattr(model, "tp", None) is not None and model.tp.parallel:
+        raise InvalidArgument(
+            "lora_path", "adapter_config.json: target_parameters: adapters on routed "
+            "experts are not served under tensor parallelism yet"
+        )  # fmt: skip
+    return experts
+
+
+def _which_parameter(module: str, a: torch.Tensor, b: torch.Tensor, experts: Any) -> str:
+    """The stacked parameter a pair adapts, by its shapes (A [r x experts, in],
+    B [out, r x experts]); refused naming the tensor when neither fits."""
+    count = experts.gate_up_proj.shape[0]
+    for half, tensor in (("lora_A", a), ("lora_B", b)):
+        if not tensor.is_floating_point() or tensor.dim() != 2:
+            raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module}.{half} must be a "
+                                  "2-D floating-point tensor")  # fmt: skip
+    rows = a.shape[0]
+    if rows == 0 or rows % count or b.shape[1] != rows:
+        raise InvalidArgument(
+            "lora_path", f"{WEIGHTS_FILE}: {module}: lora_A {tuple(a.shape)} and lora_B "
+            f"{tuple(b.shape)} are not r x {count} experts (the model's count) on both sides"
+        )  # fmt: skip
+    for parameter in PARAMETERS:
+        out_features, in_features = getattr(experts, parameter).shape[1:]
+        if a.shape[1] == in_features and b.shape[0] == out_features:
+            return parameter
+    shapes = {p: tuple(getattr(experts, p).shape) for p in PARAMETERS}
+    raise InvalidArgument(
+        "lora_path", f"{WEIGHTS_FILE}: {module}: lora_A {tuple(a.shape)} and lora_B "
+        f"{tuple(b.shape)} fit neither stacked parameter {shapes}"
+    )  # fmt: skip
+
+
+class ExpertLoRA:
+    """A routed experts block's adapter slots: per slot and parameter, A [experts, rank,
+    in] and B [experts, out, rank] (the scaling folded in), zero-padded to max_lora_rank.
+    Plain tensors, not parameters (digests and weight rounds never see them)."""
+
+    def __init__(self, experts: Any, max_loras: int, max_rank: int, context: Any) -> None:
+        self.context = context
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        for parameter in PARAMETERS:
+            weight = getattr(experts, parameter)
+            count, out_features, in_features = weight.shape
+            shape = dict(dtype=weight.dtype, device=weight.device)
+            self.a[parameter] = torch.zeros(max_loras, count, max_rank, in_features, **shape)
+            self.b[parameter] = torch.zeros(max_loras, count, out_features, max_rank, **shape)
+        self.filled: set[int] = set()  # slots holding an adapter with expert matrices
+
+    def write_slot(self, slot: int, parts: ExpertMatrices) -> None:
+        for parameter in PARAMETERS:
+            self.a[parameter][slot].zero_()
+            self.b[parameter][slot].zero_()
+        for parameter, (a, b) in parts.items():
+            rank = a.shape[1]
+            self.a[parameter][slot, :, :rank].copy_(a)
+            self.b[parameter][slot, :, :, :rank].copy_(b)
+        (self.filled.add if parts else self.filled.discard)(slot)
+
+    def clear_slot(self, slot: int) -> None:
+        self.write_slot(slot, {})
+
+    def active_slots(self) -> list[int]:
+        """The step's slots whose adapter adapts these experts (none: the fused path)."""
+        batch = self.context.batch
+        if batch is None or not self.filled:
+            return []
+        return sorted({s.slot for s in batch.segments} & self.filled)
+
+    def add(self, parameter: str, x: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor,
+            experts: torch.Tensor, slots: list[int]) -> None:  # fmt: skip
+        """out[p] += B[slot, e] @ A[slot, e] @ x[p] for every pair p of an adapter's row;
+        `tokens` and `experts` give each pair's row of the step and its expert, pairs in
+        ascending expert order (the block's grouping)."""
+        row_slot = self._row_slots(int(tokens.max()) + 1, out.device)
+        pair_slot = row_slot[tokens]
+        for slot in slots:
+            chosen = (pair_slot == slot).nonzero().squeeze(1)
+            if chosen.numel() == 0:
+                continue
+            ids, counts = torch.unique_consecutive(experts[chosen], return_counts=True)
+            starts = counts.cumsum(0) - counts
+            offsets = torch.arange(int(counts.max()), device=out.device)
+            valid = offsets[None, :] < counts[:, None]  # [groups, longest]
+            pairs = chosen[torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])]
+            shrink = torch.bmm(x[pairs], self.a[parameter][slot][ids].transpose(1, 2))
+            delta = torch.bmm(shrink, self.b[parameter][slot][ids].transpose(1, 2))
+            delta = delta * valid[..., None].to(delta.dtype)  # padding adds zeros
+            out.index_add_(0, pairs.view(-1), delta.view(-1, out.shape[1]))
+
+    def _row_slots(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Each row's slot (-1: the base model) from the step's segments."""
+        row_slot = torch.full((rows,), -1, dtype=torch.long)
+        for segment in self.context.batch.segments:
+            row_slot[segment.start : min(segment.end, rows)] = segment.slot
+        return row_slot.to(device)

@@ -1,0 +1,134 @@
+"""LoRA on a mixture of experts' routed experts (hotswap/lora/experts.py): peft's
+`target_parameters` adapters on the stacked gate_up_proj / down_proj, against peft's own
+forward in float32, mixed in one batch with base rows and dense adapters, and refused
+naming the field when they do not fit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hotswap import LLM, LoRARequest
+from hotswap.errors import InvalidArgument
+from tests.helpers.tiny_models import peft_reference, write_peft_adapter
+from tests.lora.test_lora import (
+    ATTENTION,
+    GREEDY,
+    PROMPT,
+    reference_logprobs,
+    run,
+    sampled_logprobs,
+)
+
+# Engines and peft models: slow.
+pytestmark = pytest.mark.slow
+
+BOTH = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def expert_adapter(model_dir: Path, out: Path, parameters: list[str], targets=ATTENTION,
+                   rank: int = 4, seed: int = 0) -> Path:  # fmt: skip
+    return write_peft_adapter(model_dir, out, rank, tuple(targets), seed=seed,
+                              target_parameters=parameters)  # fmt: skip
+
+
+def engine(model_dir: Path, **kw) -> LLM:
+    return LLM(str(model_dir), dtype="float32", enable_lora=True, max_loras=4,
+               max_lora_rank=8, progress=False, **kw)  # fmt: skip
+
+
+def assert_equals_peft(llm: LLM, model_dir: Path, adapter: Path, name: str) -> list[int]:
+    completion = run(llm, LoRARequest(name, 1, str(adapter))).outputs[0]
+    expected = reference_logprobs(peft_reference(model_dir, adapter), PROMPT,
+                                  completion.token_ids)  # fmt: skip
+    got = torch.tensor(sampled_logprobs(completion))
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
+    return completion.token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_expert_adapters_equal_peft(tiny_model_factory, tmp_path: Path, arch: str) -> None:
+    model_dir = tiny_model_factory(arch)
+    llm = engine(model_dir)
+    both = expert_adapter(model_dir, tmp_path / "both", BOTH)
+    keys = load_file(both / "adapter_model.safetensors")
+    assert any(".experts.base_layer.lora_A" in k for k in keys)  # peft's nested wrappers
+    tokens = assert_equals_peft(llm, model_dir, both, "both")
+    # the experts' adapter matters: the same adapter without it scores otherwise
+    attention = expert_adapter(model_dir, tmp_path / "attention", [])
+    without = reference_logprobs(peft_reference(model_dir, attention), PROMPT, tokens)
+    with_it = reference_logprobs(peft_reference(model_dir, both), PROMPT, tokens)
+    assert (without - with_it).abs().max() > 1e-3
+    # one stacked parameter alone, and experts only (no target_modules)
+    down = expert_adapter(model_dir, tmp_path / "down", ["mlp.experts.down_proj"], seed=1)
+    assert_equals_peft(llm, model_dir, down, "down")
+    only = expert_adapter(model_dir, tmp_path / "only", BOTH, targets=(), seed=2)
+    assert_equals_peft(llm, model_dir, only, "only")
+
+
+def test_expert_adapters_batch_with_base_rows_and_dense_adapters(
+    tiny_model_factory, tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory("qwen3_moe")
+    llm = engine(model_dir, enable_prefix_caching=False)
+    paths = {
+        "experts": expert_adapter(model_dir, tmp_path / "e", BOTH, seed=3),
+        "dense": expert_adapter(model_dir, tmp_path / "d", [], seed=4),
+        "experts-r8": expert_adapter(model_dir, tmp_path / "e8", BOTH, rank=8, seed=5),
+    }
+    loras = [None] + [LoRARequest(n, i + 1, str(p)) for i, n in enumerate(paths) for p in
+                      [paths[n]]]  # fmt: skip
+    prompts = [{"prompt_token_ids": PROMPT[: 12 + i]} for i in range(4)]
+    mixed = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    for prompt, lora, together in zip(prompts, loras, mixed):
+        alone = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]
+        assert alone.outputs[0].token_ids == together.outputs[0].token_ids
+        expected = sampled_logprobs(alone.outputs[0])
+        assert sampled_logprobs(together.outputs[0]) == pytest.approx(expected, abs=1e-5)
+    assert len({tuple(o.outputs[0].token_ids) for o in mixed}) > 1
+
+
+def _edited(source: Path, target: Path, config: dict | None = None,
+            tensors: dict | None = None) -> Path:  # fmt: skip
+    shutil.copytree(source, target)
+    if config is not None:
+        raw = json.loads((target / "adapter_config.json").read_text())
+        (target / "adapter_config.json").write_text(json.dumps({**raw, **config}))
+    if tensors is not None:
+        save_file(tensors, str(target / "adapter_model.safetensors"))
+    return target
+
+
+def test_bad_expert_adapters_are_refused_naming_the_field(
+    tiny_model_factory, tiny_llama: Path, tmp_path: Path
+) -> None:
+    model_dir = tiny_model_factory("qwen3_moe")
+    good = expert_adapter(model_dir, tmp_path / "good", BOTH)
+    tensors = load_file(good / "adapter_model.safetensors")
+    key = next(k for k in tensors if k.endswith("experts.lora_A.weight"))
+    fewer = {**tensors, key: tensors[key][: tensors[key].shape[0] // 2]}  # half the experts
+    bad = {
+        "unknown target_parameters": (
+            _edited(good, tmp_path / "p", {"target_parameters": ["mlp.gate.weight"]}),
+            "target_parameters",
+        ),
+        "no target_parameters": (
+            _edited(good, tmp_path / "n", {"target_parameters": None}),
+            "has no target_parameters",
+        ),
+        "expert count": (_edited(good, tmp_path / "c", tensors=fewer), "experts"),
+        "rank over r": (_edited(good, tmp_path / "r", {"r": 2}), "adapter_config.json's r"),
+    }
+    llm = engine(model_dir)
+    for name, (path, message) in bad.items():
+        with pytest.raises(InvalidArgument, match=message) as refused:
+            run(llm, LoRARequest(name, 1, str(path)))
+        assert refused.value.field == "lora_path", name
+    dense = engine(tiny_llama)
+    with pytest.raises(InvalidArgument, match="no routed experts"):
+        run(dense, LoRARequest("dense", 1, str(good)))
