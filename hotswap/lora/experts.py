@@ -72,12 +72,11 @@ def build_expert_layers(
     layers: dict[str, ExpertMatrices] = {}
     for module, (a, b) in sorted(pairs.items()):
         name = _EXPERTS.fullmatch(module)["experts"].replace(".block_sparse_moe.", ".mlp.")
-        experts = _experts_of(model, name, module)
-        parameter = _which_parameter(module, a, b, experts)
+        count = _experts_of(model, name, module).gate_up_proj.shape[0]
+        parameter = _which_parameter(module, a, b, count, whole_shapes(model))
         if parameter in layers.setdefault(name, {}):
             raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module}: two adapters on "
                                   f"{name}.{parameter}")  # fmt: skip
-        count = experts.gate_up_proj.shape[0]
         rank = a.shape[0] // count
         if rank > max_rank:
             raise InvalidArgument(
@@ -106,18 +105,20 @@ def _experts_of(model: Any, name: str, module: str) -> Any:
     if not isinstance(experts, FusedExperts):
         raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module} is not a mixture of "
                               "experts' routed experts of this model")  # fmt: skip
-    if getattr(model, "tp", None) is not None and model.tp.parallel:
-        raise InvalidArgument(
-            "lora_path", "adapter_config.json: target_parameters: adapters on routed "
-            "experts are not served under tensor parallelism yet"
-        )  # fmt: skip
     return experts
 
 
-def _which_parameter(module: str, a: torch.Tensor, b: torch.Tensor, experts: Any) -> str:
+def whole_shapes(model: Any) -> dict[str, tuple[int, int]]:
+    """(out, in) of each stacked parameter per expert, whole (a tensor-parallel rank
+    holds a share of the intermediate dimension; an adapter is sent whole)."""
+    hidden, inter = model.spec.hidden_size, model.moe.intermediate_size
+    return {"gate_up_proj": (2 * inter, hidden), "down_proj": (hidden, inter)}
+
+
+def _which_parameter(module: str, a: torch.Tensor, b: torch.Tensor, count: int,
+                     shapes: dict[str, tuple[int, int]]) -> str:  # fmt: skip
     """The stacked parameter a pair adapts, by its shapes (A [r x experts, in],
     B [out, r x experts]); refused naming the tensor when neither fits."""
-    count = experts.gate_up_proj.shape[0]
     for half, tensor in (("lora_A", a), ("lora_B", b)):
         if not tensor.is_floating_point() or tensor.dim() != 2:
             raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module}.{half} must be a "
@@ -128,24 +129,55 @@ def _which_parameter(module: str, a: torch.Tensor, b: torch.Tensor, experts: Any
             "lora_path", f"{WEIGHTS_FILE}: {module}: lora_A {tuple(a.shape)} and lora_B "
             f"{tuple(b.shape)} are not r x {count} experts (the model's count) on both sides"
         )  # fmt: skip
-    for parameter in PARAMETERS:
-        out_features, in_features = getattr(experts, parameter).shape[1:]
+    for parameter, (out_features, in_features) in shapes.items():
         if a.shape[1] == in_features and b.shape[0] == out_features:
             return parameter
-    shapes = {p: tuple(getattr(experts, p).shape) for p in PARAMETERS}
     raise InvalidArgument(
         "lora_path", f"{WEIGHTS_FILE}: {module}: lora_A {tuple(a.shape)} and lora_B "
-        f"{tuple(b.shape)} fit neither stacked parameter {shapes}"
+        f"{tuple(b.shape)} fit neither stacked parameter (per expert, out x in: {shapes})"
     )  # fmt: skip
+
+
+def expected_expert_tensors(config: Any, model: Any) -> dict[str, torch.Tensor]:
+    """A new adapter's expert tensors, zeros, under the names peft gives them (what a
+    weight round creating the adapter must send): one wrapper per targeted parameter of
+    each routed experts block, the first in the block's parameter order innermost (its
+    keys carry one `.base_layer` per wrapper around it)."""
+    targeted = [p for p in PARAMETERS
+                if any(t.rsplit(".", 1)[-1] == p for t in config.target_parameters)]  # fmt: skip
+    if not targeted:
+        return {}
+    moe = getattr(model, "moe", None)
+    if moe is None:
+        raise InvalidArgument("lora_config.target_parameters", "lora_config.target_parameters: "
+                              "this model has no routed experts")  # fmt: skip
+    tensors = {}
+    for layer in sorted(moe.sparse_layers):
+        module = f"model.layers.{layer}.mlp.experts"
+        rank = config.rank_of(module)
+        for i, parameter in enumerate(targeted):
+            wrapper = module + ".base_layer" * (len(targeted) - 1 - i)
+            out_features, in_features = whole_shapes(model)[parameter]
+            tensors[f"{wrapper}.lora_A.weight"] = torch.zeros(rank * moe.num_experts, in_features)
+            tensors[f"{wrapper}.lora_B.weight"] = torch.zeros(out_features, rank * moe.num_experts)
+    return tensors
 
 
 class ExpertLoRA:
     """A routed experts block's adapter slots: per slot and parameter, A [experts, rank,
     in] and B [experts, out, rank] (the scaling folded in), zero-padded to max_lora_rank.
-    Plain tensors, not parameters (digests and weight rounds never see them)."""
+    Plain tensors, not parameters (digests and weight rounds never see them).
 
-    def __init__(self, experts: Any, max_loras: int, max_rank: int, context: Any) -> None:
+    Under tensor parallelism (rank `rank` of `ranks`) each rank holds its share of every
+    expert's intermediate dimension, and of the adapter as vLLM splits LoRA: gate_up_proj
+    (column-parallel) its gate and up rows of B, A whole; down_proj (row-parallel) its
+    columns of A, B whole, so the ranks' partial products sum in the block's all-reduce."""
+
+    def __init__(self, experts: Any, max_loras: int, max_rank: int, context: Any,
+                 rank: int = 0, ranks: int = 1) -> None:  # fmt: skip
         self.context = context
+        self.rank, self.ranks = rank, ranks
+        self.inter = experts.down_proj.shape[2]  # this rank's share of the intermediate
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         for parameter in PARAMETERS:
@@ -161,6 +193,7 @@ class ExpertLoRA:
             self.a[parameter][slot].zero_()
             self.b[parameter][slot].zero_()
         for parameter, (a, b) in parts.items():
+            a, b = self._rank_part(parameter, a, b)
             rank = a.shape[1]
             self.a[parameter][slot, :, :rank].copy_(a)
             self.b[parameter][slot, :, :, :rank].copy_(b)
@@ -168,6 +201,17 @@ class ExpertLoRA:
 
     def clear_slot(self, slot: int) -> None:
         self.write_slot(slot, {})
+
+    def _rank_part(self, parameter: str, a: torch.Tensor,
+                   b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if self.ranks == 1:
+            return a, b
+        start, size = self.rank * self.inter, self.inter
+        if parameter == "gate_up_proj":  # B [experts, gate rows then up rows, r]
+            whole = b.shape[1] // 2
+            gate, up = b[:, start : start + size], b[:, whole + start : whole + start + size]
+            return a, torch.cat([gate, up], dim=1)
+        return a[:, :, start : start + size], b
 
     def active_slots(self) -> list[int]:
         """The step's slots whose adapter adapts these experts (none: the fused path)."""

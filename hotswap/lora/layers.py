@@ -226,7 +226,9 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int,
     layers: dict[str, LinearLoRA | ExpertLoRA] = {}
     for name, module in model.named_modules():
         if isinstance(module, FusedExperts):
-            module.lora = layers[name] = ExpertLoRA(module, max_loras, max_rank, context)
+            tp = model.tp
+            module.lora = layers[name] = ExpertLoRA(module, max_loras, max_rank, context,
+                                                    tp.rank, tp.size)  # fmt: skip
         elif isinstance(module, Linear) and name.rsplit(".", 1)[-1] in LORA_LAYERS:
             weight = module.weight
             sizes = model.shard_sizes(name)

@@ -12,6 +12,7 @@ import torch
 
 from hotswap.errors import InvalidArgument
 from hotswap.lora.adapter import TARGETS, AdapterConfig, AdapterWeights, canonical_name
+from hotswap.lora.experts import expected_expert_tensors
 
 _BLOCKS = {t: ("self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp")
            for t in TARGETS}  # fmt: skip
@@ -67,13 +68,13 @@ def _expected_tensors(config: AdapterConfig, base: AdapterWeights | None,
     (whose modules come from its declared target_modules)."""
     if base is not None:
         return {key: tensor.detach().float().clone() for key, tensor in base.raw.items()}
-    if not isinstance(config.target_modules, tuple):
+    if not isinstance(config.target_modules, tuple):  # () with only target_parameters
         raise InvalidArgument(
             "lora_config.target_modules",
             "lora_config.target_modules: a new adapter sent by a weight round must list its "
             f"modules (one of {', '.join(TARGETS)}), not a pattern",
         )
-    tensors = {}
+    tensors = expected_expert_tensors(config, model)
     for layer in range(model.spec.num_layers):
         for target in config.target_modules:
             module = f"model.layers.{layer}.{_BLOCKS[target]}.{target}"

@@ -46,9 +46,9 @@ def adapter_config(peft_model: Any, adapter_name: str = "default") -> dict[str, 
     """The adapter's config as adapter_config.json writes it (the keys the engine reads)."""
     config = peft_model.peft_config[adapter_name].to_dict()
     declared = {key: config[key] for key in _CONFIG_KEYS if key in config}
-    targets = declared.get("target_modules")
-    if isinstance(targets, (set, frozenset, list, tuple)):
-        declared["target_modules"] = sorted(targets)
+    for key in ("target_modules", "target_parameters"):  # peft may hold them as sets
+        if isinstance(declared.get(key), (set, frozenset, list, tuple)):
+            declared[key] = sorted(declared[key])
     peft_type = declared.get("peft_type")
     declared["peft_type"] = getattr(peft_type, "value", peft_type)
     return declared

@@ -132,3 +132,69 @@ def test_bad_expert_adapters_are_refused_naming_the_field(
     dense = engine(tiny_llama)
     with pytest.raises(InvalidArgument, match="no routed experts"):
         run(dense, LoRARequest("dense", 1, str(good)))
+
+
+def test_expert_adapters_on_two_ranks_equal_one_rank_and_peft(
+    tiny_model_factory, tmp_path: Path
+) -> None:
+    """Each rank holds its share of every expert's intermediate dimension and of the
+    adapter (gate_up_proj: its gate and up rows of B; down_proj: its columns of A)."""
+    model_dir = tiny_model_factory("qwen3_moe")
+    paths = [expert_adapter(model_dir, tmp_path / "a", BOTH, seed=6),
+             expert_adapter(model_dir, tmp_path / "b", ["mlp.experts.down_proj"], seed=7)]  # fmt: skip
+    loras = [LoRARequest("a", 1, str(paths[0])), None, LoRARequest("b", 2, str(paths[1]))]
+    prompts = [{"prompt_token_ids": PROMPT[: 10 + 3 * i]} for i in range(3)]
+    single = engine(model_dir).generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    llm = engine(model_dir, tensor_parallel_size=2)
+    try:
+        parallel = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    finally:
+        llm.shutdown()
+    for one, two, prompt, lora in zip(single, parallel, prompts, loras, strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        got = sampled_logprobs(two.outputs[0])
+        assert got == pytest.approx(sampled_logprobs(one.outputs[0]), abs=1e-5)
+        model = peft_reference(model_dir, None if lora is None else Path(lora.lora_path))
+        want = reference_logprobs(model, prompt["prompt_token_ids"], two.outputs[0].token_ids)
+        assert torch.allclose(torch.tensor(got), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("parameters", [BOTH, ["mlp.experts.gate_up_proj"]])
+def test_an_expert_adapter_pushed_by_a_trainer_is_created_then_updated(
+    tiny_model_factory, parameters: list[str]
+) -> None:
+    """Through a weight-transfer backend, under peft's own tensor names: the first round
+    creates the adapter (its expert tensors named as peft nests its wrappers), the next
+    one changes it after an optimizer step; both equal the trainer's forward."""
+    import peft
+    import transformers
+
+    from hotswap.rl import adapter_source, push_adapter
+    from hotswap.weight_transfer import (
+        InProcessWeightSyncClient,
+        IPCTrainerInitInfo,
+        WeightTransferTrainerFactory,
+    )
+
+    model_dir = tiny_model_factory("qwen3_moe")
+    llm = engine(model_dir, weight_transfer_config={"backend": "ipc"})
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(8)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                             target_parameters=parameters, init_lora_weights=False)  # fmt: skip
+    policy = peft.get_peft_model(base, config).eval()
+    source = adapter_source(policy)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        IPCTrainerInitInfo(), InProcessWeightSyncClient(llm), source
+    )
+    for version in (1, 2):
+        with torch.no_grad():  # a change the experts' adapter makes visible
+            for name, param in policy.named_parameters():
+                if "lora_B" in name and "experts" in name:
+                    param.normal_(0, 0.3)
+        push_adapter(trainer, policy, "policy")
+        completion = run(llm, LoRARequest("policy", 1)).outputs[0]
+        want = reference_logprobs(policy, PROMPT, completion.token_ids)
+        got = torch.tensor(sampled_logprobs(completion))
+        assert torch.allclose(got, want, atol=1e-5), (version, (got - want).abs().max())
+    assert llm.list_lora_adapters()[0]["version"] == 2
