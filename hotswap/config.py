@@ -146,6 +146,8 @@ class EngineConfig:
     data_parallel_rank: int = 0  # which engine core this is (unseeded sampling differs)
     # ranks the model is split over (model/parallel.py): rank 0 here, the others workers
     tensor_parallel_size: int = 1
+    # routed experts whole on the ranks (expert parallelism) instead of split across them
+    enable_expert_parallel: bool = False
     # where ranks 1.. run: "mp" worker processes, "ray" actors (hotswap.ray.ranks)
     distributed_executor_backend: str = "mp"
     logprobs_mode: str = "raw_logprobs"  # vLLM's: raw_/processed_ logprobs/logits

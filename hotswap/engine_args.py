@@ -6,8 +6,7 @@ does the server's flags from `ServerConfig`'s fields."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,42 +40,13 @@ from hotswap.config import (
     resolve_quantization,
 )
 from hotswap.errors import InvalidArgument
+from hotswap.flag_spec import arg
 from hotswap.generation_config import default_sampling
 from hotswap.weight_transfer.config import ENGINE_BACKENDS, WeightTransferConfig
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How a field appears on the command line: `--field-name` (underscores become
-    dashes), typed from the field's annotation, defaulting to the field's default. A field
-    holding a parsed form of its flag's text declares the text's annotation (`cli_type`):
-    the flag then defaults to None, absent, and `parse` maps its value, None included, to
-    the field's (hotswap/entrypoints/flags.py derives the parser and the values)."""
-
-    help: str | None
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-    aliases: tuple[str, ...] = ()  # further spellings, e.g. vLLM's or an older one
-    name: str | None = None  # the flag's name where it is not the field's (vLLM's spelling)
-    cli_type: Any = None  # the flag's value's annotation where the field holds a parsed form
-    parse: Callable[[Any], Any] | None = None  # the flag's value -> the field's (default: as is)
-    # argparse's action where the type's is not the flag's: "store_true" (a switch with no
-    # --no-x, as the flag always was), "extend" (a list over several uses of the flag)
-    action: str | None = None
-
-
-FLAG_KEY = "flag"  # the field metadata key holding its Flag; a field without one has no flag
-
 
 # vLLM's --distributed-executor-backend values hotswap runs (its "external_launcher", where
 # the user starts every rank, is not one): mp and ray start ranks 1..; uni runs one rank.
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
-
-
-def arg(default: Any = MISSING, help: str | None = None, **flag: Any) -> Any:
-    """A field that is also a CLI flag (see `Flag` for the keyword arguments); MISSING: a
-    field with no default."""
-    return field(default=default, metadata={FLAG_KEY: Flag(help, **flag)})
 
 
 @dataclass(frozen=True)
@@ -110,6 +80,13 @@ class EngineArgs:
         "ranks each engine core's model is split over (vLLM's flag): rank 0 in the engine "
         "core, the others in worker processes, one gloo group (NCCL on CUDA)",
         aliases=("-tp",),
+    )
+    enable_expert_parallel: bool = arg(
+        False,
+        "with --tensor-parallel-size N, place a mixture of experts' routed experts whole on "
+        "the ranks (each rank 1/N of the experts) instead of splitting every expert over "
+        "them (vLLM's flag); no effect on dense models or one rank",
+        aliases=("-ep",),
     )
     distributed_executor_backend: str | None = arg(
         None,
@@ -280,6 +257,7 @@ class EngineArgs:
             weight_transfer=self._weight_transfer_config(),
             data_parallel_rank=self.data_parallel_rank,
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=bool(self.enable_expert_parallel),
             distributed_executor_backend=self._executor_backend(),
             logprobs_mode=check_logprobs_mode(self.logprobs_mode),
             allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),

@@ -31,6 +31,7 @@ LAYERS = {
     "hotswap.default_model": 0,
     "hotswap.config": 0,
     "hotswap.engine_args": 0,
+    "hotswap.flag_spec": 0,
     "hotswap.msgspec_errors": 0,
     "hotswap.weight_transfer.config": 0,
     "hotswap.weight_transfer.dtypes": 0,
@@ -50,6 +51,7 @@ LAYERS = {
     "hotswap.weights.residency": 1,
     "hotswap.weights.checkpoint": 1,
     "hotswap.lora.adapter": 1,
+    "hotswap.lora.experts": 1,
     "hotswap.lora.layers": 1,
     "hotswap.lora.stage": 1,
     # 2: weight-transfer backends, trainer side, clients

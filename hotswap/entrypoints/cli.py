@@ -8,11 +8,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hotswap.engine_args import arg
 from hotswap.entrypoints.agentic_args import check_parsers
 from hotswap.entrypoints.engine_flags import add_engine_args, engine_kwargs
 from hotswap.entrypoints.flags import add_flags, flag_values
 from hotswap.entrypoints.server.state import ServerConfig
+from hotswap.flag_spec import arg
 
 
 def build_parser() -> argparse.ArgumentParser:

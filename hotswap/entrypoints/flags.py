@@ -14,7 +14,7 @@ import typing
 from dataclasses import Field, fields
 from typing import Any
 
-from hotswap.engine_args import FLAG_KEY, Flag
+from hotswap.flag_spec import FLAG_KEY, Flag
 
 # What add_argument is given: a parser or one of its groups.
 Adder = argparse.ArgumentParser | argparse._ArgumentGroup

@@ -81,6 +81,7 @@ class ModelRunner(RankWeights, RankShadow):
         if self.workers is not None:
             groups = (self.workers.group, self.workers.transfer_channel)
         self.tp, self.transfer_channel = groups or (TPGroup(), TPGroup())
+        self.tp.expert_parallel = config.enable_expert_parallel and self.tp.parallel
         self.rank_stage: dict[str, torch.Tensor] = {}
         self.shadow: ShadowWeights | None = None  # the double buffer's (weights/double_buffer.py)
         try:

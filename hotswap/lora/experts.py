@@ -105,6 +105,11 @@ def _experts_of(model: Any, name: str, module: str) -> Any:
     if not isinstance(experts, FusedExperts):
         raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module} is not a mixture of "
                               "experts' routed experts of this model")  # fmt: skip
+    if model.tp.expert_parallel:
+        raise InvalidArgument(
+            "lora_path", "adapter_config.json: target_parameters: adapters on routed "
+            "experts are not served with --enable-expert-parallel yet"
+        )  # fmt: skip
     return experts
 
 

@@ -14,6 +14,14 @@ of each one's intermediate dimension (gate_up_proj [experts, 2 x inter / ranks, 
 its gate rows, then its up rows; down_proj [experts, hidden, inter / ranks]); the router is
 whole on every rank, so every rank routes alike. Each rank's block output is a partial sum,
 summed across the ranks once at the block's end.
+
+Under expert parallelism (`--enable-expert-parallel`, vLLM's flag) rank r holds experts
+[r E / ranks, (r + 1) E / ranks) whole instead. Every rank has every token (attention's
+output is all-reduced before the block), routes them alike, runs the pairs routed to its
+own experts and skips the others (their id becomes -1); the same all-reduce at the block's
+end sums the ranks' parts. No token is sent anywhere: with tensor-parallel attention the
+tokens are already on every rank, which is how vLLM runs expert parallelism without data
+parallelism too.
 """
 
 from __future__ import annotations
@@ -100,7 +108,7 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]), for each token t
-        (each expert with the adapter of t's row, if any)."""
+        (each expert with the adapter of t's row, if any); an id of -1 adds nothing."""
         fused = self.kernels.fused_moe if self.kernels is not None else None
         adapters = self.lora.active_slots() if self.lora is not None else []
         if fused is not None and not self.invariant and not adapters:  # no host sync
@@ -108,7 +116,10 @@ class FusedExperts(nn.Module):
         tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        # -1: another rank's expert (expert parallelism); those pairs sort first, are skipped
+        counts = torch.bincount(flat + 1, minlength=self.gate_up_proj.shape[0] + 1).tolist()
+        skipped, counts = counts[0], counts[1:]
+        order = order[skipped:]
         hit = [expert for expert, n in enumerate(counts) if n]
         sizes = [counts[expert] for expert in hit]
         rows = x.index_select(0, order // top_k)
@@ -125,7 +136,10 @@ class FusedExperts(nn.Module):
                              for segment, expert in zip(hidden.split(sizes), hit)])  # fmt: skip
         if adapters:
             self.lora.add("down_proj", hidden, grouped, *pairs, adapters)
-        out = torch.empty_like(grouped)
+        if skipped:  # other ranks' pairs add nothing
+            out = grouped.new_zeros((tokens * top_k, grouped.shape[1]))
+        else:
+            out = torch.empty_like(grouped)
         out[order] = grouped  # back to (token, slot) order
         return mix_slots(out.view(tokens, top_k, -1), weights).to(x.dtype)
 
@@ -167,8 +181,14 @@ class SparseMoeBlock(nn.Module):
         tp = tp or TPGroup()
         self.top_k, self.normalise = spec.top_k, spec.norm_topk_prob
         self.gate = Linear(hidden, spec.num_experts, False, dtype, invariant)
-        inter = even_split(spec.intermediate_size, tp.size, tp.rank, spec.intermediate_key)[1]
-        self.experts = FusedExperts(spec.num_experts, hidden, inter, dtype, invariant)
+        # expert parallelism: a range of whole experts here; else every expert, its share
+        self.expert_range = expert_range(spec.num_experts, tp)
+        if self.expert_range is None:
+            count = spec.num_experts
+            inter = even_split(spec.intermediate_size, tp.size, tp.rank, spec.intermediate_key)[1]
+        else:
+            count, inter = self.expert_range[1], spec.intermediate_size
+        self.experts = FusedExperts(count, hidden, inter, dtype, invariant)
         self.shared_expert = shared_expert
         if shared_expert is not None:
             self.shared_expert_gate = Linear(hidden, 1, False, dtype, invariant)
@@ -178,7 +198,7 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.normalise)
         self.last_expert_ids = ids
-        out = self.experts(x, ids, weights)
+        out = self.experts(x, self._local(ids), weights)
         if self.shared_expert is not None:
             # the gate (whole on every rank) scales each rank's partial sum: the sum of
             # the scaled partials is the scaled sum
@@ -186,6 +206,23 @@ class SparseMoeBlock(nn.Module):
         if self.reduce is not None:
             out = self.reduce.all_reduce(out)  # in place: `out` is this forward's own
         return out
+
+    def _local(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ids of this rank's experts among its own; -1 for another rank's (each rank
+        adds its experts' share, the block's all-reduce sums them)."""
+        if self.expert_range is None:
+            return ids
+        first, count = self.expert_range
+        local = ids - first
+        return torch.where((local >= 0) & (local < count), local, -1)
+
+
+def expert_range(num_experts: int, tp: TPGroup) -> tuple[int, int] | None:
+    """(first, count) of the routed experts this rank holds whole under expert
+    parallelism; None without it (every rank holds every expert's share)."""
+    if not tp.expert_parallel:
+        return None
+    return even_split(num_experts, tp.size, tp.rank, "num_experts")
 
 
 def row_sigmoid(logit: torch.Tensor) -> torch.Tensor:

@@ -110,6 +110,10 @@ class TPGroup:
         self.rank, self.size, self.group = rank, size, group
         self.device_group = device_group
         self.failed: str | None = None  # why a collective failed; every later one refuses
+        # A mixture of experts' routed experts lie whole on the ranks, a range of them
+        # each (--enable-expert-parallel), instead of every expert split over the ranks
+        # (set by the runner before the model is built; model/moe.py)
+        self.expert_parallel = False
 
     @property
     def parallel(self) -> bool:

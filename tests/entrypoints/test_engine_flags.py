@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 
-from hotswap.engine_args import FLAG_KEY, EngineArgs
+from hotswap.engine_args import EngineArgs
 from hotswap.entrypoints.cli import build_parser
 from hotswap.entrypoints.engine_flags import add_engine_args, engine_kwargs, flag_names
+from hotswap.flag_spec import FLAG_KEY
 
 # Fields a user never sets: the data-parallel front-end gives each engine core its rank.
 INTERNAL_FIELDS = {"data_parallel_rank"}
@@ -68,8 +69,11 @@ def test_declared_choices_and_aliases() -> None:
         "kv_cache_memory_bytes": ("--kv-cache-memory",),  # hotswap's older one
         "tensor_parallel_size": ("-tp",),  # vLLM's short form
         "quantization": ("-q",),  # vLLM's short form
+        "enable_expert_parallel": ("-ep",),  # vLLM's short form
     }
     assert parser.parse_args(["-tp", "2"]).tensor_parallel_size == 2
+    assert parser.parse_args(["-ep"]).enable_expert_parallel is True
+    assert parser.parse_args([]).enable_expert_parallel is False
     assert parser.parse_args(["-q", "fp8"]).quantization == "fp8"
     with pytest.raises(argparse.ArgumentError, match="quantization"):
         parser.parse_args(["--quantization", "awq"])  # not served: refused by the parser

@@ -12,11 +12,11 @@ import json
 import pytest
 
 from hotswap.default_model import DEFAULT_MODEL_NAME
-from hotswap.engine_args import FLAG_KEY
 from hotswap.entrypoints.cli import StartupFlags, build_parser, main, run_serve
 from hotswap.entrypoints.flags import flag_default, flag_dest, flag_names, flagged_fields
 from hotswap.entrypoints.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from hotswap.entrypoints.server.state import ServerConfig
+from hotswap.flag_spec import FLAG_KEY
 from hotswap.lora.modules import LoRAModulePath
 from hotswap.structured_output import StructuredOutputsConfig
 

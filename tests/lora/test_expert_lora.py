@@ -140,8 +140,9 @@ def test_expert_adapters_on_two_ranks_equal_one_rank_and_peft(
     """Each rank holds its share of every expert's intermediate dimension and of the
     adapter (gate_up_proj: its gate and up rows of B; down_proj: its columns of A)."""
     model_dir = tiny_model_factory("qwen3_moe")
+    down = ["mlp.experts.down_proj"]
     paths = [expert_adapter(model_dir, tmp_path / "a", BOTH, seed=6),
-             expert_adapter(model_dir, tmp_path / "b", ["mlp.experts.down_proj"], seed=7)]  # fmt: skip
+             expert_adapter(model_dir, tmp_path / "b", down, seed=7)]  # fmt: skip
     loras = [LoRARequest("a", 1, str(paths[0])), None, LoRARequest("b", 2, str(paths[1]))]
     prompts = [{"prompt_token_ids": PROMPT[: 10 + 3 * i]} for i in range(3)]
     single = engine(model_dir).generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)

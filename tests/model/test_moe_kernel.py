@@ -118,6 +118,25 @@ def test_each_token_sums_its_slots_in_slot_order(kernels) -> None:  # noqa: ANN0
         assert torch.equal(alone[0], batch[t])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pairs_of_another_ranks_experts_add_nothing(kernels, dtype) -> None:  # noqa: ANN001
+    """Expert parallelism marks another rank's expert -1: its pairs are skipped, as if
+    their weight were zero; a token with every slot elsewhere gets zeros."""
+    experts = experts_of(dtype, kernels, seed=5)
+    weights, ids = step(20, 4, seed=11)
+    ids[ids >= EXPERTS // 2] = -1  # this rank holds experts 0-7
+    ids[3] = -1
+    x = torch.randn(20, HIDDEN).to(dtype)
+    got = kernels.fused_moe(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+    with torch.no_grad():
+        assert torch.equal(got, experts(x, ids, weights))  # the torch path skips them too
+    kept = weights.masked_fill(ids < 0, 0.0)
+    close_to_definition(got, definition(experts, x, ids.clamp(min=0), kept))
+    assert not got[3].any()
+    with pytest.raises(RuntimeError, match="or -1"):
+        kernels.fused_moe(x, experts.gate_up_proj, experts.down_proj, ids - 1, weights)
+
+
 def test_no_tokens_and_bad_inputs(kernels) -> None:  # noqa: ANN001
     experts = experts_of(torch.float32, kernels)
     up, down = experts.gate_up_proj, experts.down_proj

@@ -10,9 +10,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from hotswap.config import DP_ROUTING
-from hotswap.engine_args import arg
 from hotswap.entrypoints.router.upstreams import RANK_HEADER, Balancer
 from hotswap.entrypoints.server.errors import error_response
+from hotswap.flag_spec import arg
 
 # Not forwarded: the connection's own, and the router's own pin (an upstream's index here).
 DROPPED_REQUEST = frozenset({"host", "content-length", "connection", "transfer-encoding",

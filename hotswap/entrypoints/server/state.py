@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from hotswap.engine_args import arg
 from hotswap.entrypoints.server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from hotswap.flag_spec import arg
 from hotswap.lora.modules import AdapterIds, LoRAModulePath, parse_lora_modules
 from hotswap.structured_output import StructuredOutputsConfig
 

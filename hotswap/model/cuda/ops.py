@@ -211,6 +211,10 @@ def fused_moe(
     token's slots weighted and summed in float32 in slot order."""
     tokens, top_k = ids.shape
     num_pairs = tokens * top_k
+    # -1: another rank's expert (expert parallelism): run on expert 0 and weighted zero,
+    # which keeps every shape fixed by the number of tokens (CUDA graphs)
+    weights = weights.masked_fill(ids < 0, 0.0)
+    ids = ids.clamp(min=0)
     pairs, block_experts = group_by_expert(ids, gate_up.shape[0])
     precision = _precision(x.dtype)
     projected = torch.empty((pairs.shape[0], gate_up.shape[1]), dtype=x.dtype, device=x.device)

@@ -25,7 +25,7 @@ from torch import nn
 
 from hotswap.model.models.decoder import MLP
 from hotswap.model.models.llama import LlamaForCausalLM
-from hotswap.model.moe import MoESpec, SparseMoeBlock
+from hotswap.model.moe import MoESpec, SparseMoeBlock, expert_range
 from hotswap.model.parallel import ShardSlice, check_whole_shape
 
 _EXPERT_TENSOR = re.compile(
@@ -95,8 +95,16 @@ class MoeForCausalLM(LlamaForCausalLM):
                 f"weights: unknown parameter {name!r} (the model has {self.moe.num_experts} "
                 f"experts per layer)"
             )
+        if expert not in self.local_experts():
+            return None  # another rank's expert (expert parallelism): not loaded here
         stacked, part = _PROJECTIONS[match["proj"]]
         return f"{match['layer']}.mlp.experts.{stacked}", (expert, part)
+
+    def local_experts(self) -> range:
+        """The routed experts whose weights this rank holds (their global indices): all of
+        them, each split, without expert parallelism; a range of whole ones with it."""
+        span = expert_range(self.moe.num_experts, self.tp)
+        return range(self.moe.num_experts) if span is None else range(span[0], sum(span))
 
     @staticmethod
     def _key(param_name: str, shard: Any) -> str:
@@ -109,7 +117,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         if not isinstance(shard, tuple):
             return super()._shard_view(param, name, shard)
         expert, part = shard  # expert None: every expert's (a stacked tensor's half)
-        weight = param.data if expert is None else param.data[expert]
+        weight = param.data if expert is None else param.data[expert - self.local_experts().start]
         if part is None:
             return weight
         dim = weight.dim() - 2  # the rows: gate, then up
@@ -121,7 +129,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         """The parameter checkpoint tensor `name` loads into if it is a stacked gate_up_proj
         whole under tensor parallelism (a rank holds two ranges of it, its gate rows and its
         up rows, written as two halves); else None."""
-        if not self.tp.parallel:
+        if not self.tp.parallel or self.tp.expert_parallel:  # whole experts: one slice
             return None
         target = self._map_name(name)
         if target is None or target[1] is not None or not target[0].endswith(_STACKED[0]):
@@ -179,10 +187,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         expanded = set()
         for key in keys:
             if key.endswith(_STACKED[0]):
-                expanded.update(f"{key}#{e}.{p}" for e in range(self.moe.num_experts)
+                expanded.update(f"{key}#{e}.{p}" for e in self.local_experts()
                                 for p in (0, 1))  # fmt: skip
             elif key.endswith(_STACKED[1]):
-                expanded.update(f"{key}#{e}" for e in range(self.moe.num_experts))
+                expanded.update(f"{key}#{e}" for e in self.local_experts())
             else:
                 expanded.add(key)
         return expanded

@@ -78,7 +78,14 @@ def expert_slice(
     """This rank's slice of an expert tensor: its share of the intermediate dimension of
     every expert (gate/up rows, down_proj columns). `shard`: (expert, part) for one expert's
     tensor ([inter, hidden] or [hidden, inter]); (None, part) for the gate (0) or up (1) half
-    of a stacked gate_up_proj; None for a stacked tensor whole ([experts, ...])."""
+    of a stacked gate_up_proj; None for a stacked tensor whole ([experts, ...]). Under
+    expert parallelism the rank holds a range of whole experts instead: its rows of a
+    stacked tensor, an expert's tensor whole (`MoeForCausalLM` skips the others')."""
+    if tp.expert_parallel:  # whole experts, a range of them on each rank
+        if isinstance(shard, tuple):
+            return None  # one expert's tensor, whole on the rank holding it
+        count = local.shape[0]
+        return ShardSlice(0, tp.rank * count, count, count * tp.size)
     part = shard[1] if isinstance(shard, tuple) else None
     if stacked == "down_proj":
         dim = local.dim() - 1  # input columns, the last dimension

@@ -19,10 +19,11 @@ constexpr int64_t kMatvecMaxRows = 8;  // MATVEC_MAX_ROWS in model/layers.py
 constexpr int64_t kChunkRows = 64;     // weight rows per GEMV work item
 constexpr int64_t kCombineElements = 16384;  // output elements a combine task takes at least
 
-// The step's pairs (pair p = token * top_k + slot) grouped by expert.
+// The step's pairs (pair p = token * top_k + slot) grouped by expert; a pair whose id is
+// -1 (another rank's expert, under expert parallelism) has no position and adds nothing.
 struct ExpertGroups {
   std::vector<int64_t> pairs;     // the pair at each grouped position
-  std::vector<int64_t> position;  // each pair's grouped position
+  std::vector<int64_t> position;  // each pair's grouped position (-1: skipped)
   std::vector<int64_t> experts, starts, counts;  // the experts hit, ascending
 };
 
@@ -32,9 +33,9 @@ ExpertGroups group_by_expert(const at::Tensor& ids, int64_t num_experts) {
   const int64_t n = flat.numel();
   std::vector<int64_t> next(num_experts, 0);
   for (int64_t p = 0; p < n; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < num_experts, "fused_moe: expert id ", id[p],
-                " is not below the number of experts (", num_experts, ")");
-    ++next[id[p]];
+    TORCH_CHECK(id[p] >= -1 && id[p] < num_experts, "fused_moe: expert id ", id[p],
+                " is not below the number of experts (", num_experts, ") or -1");
+    if (id[p] >= 0) ++next[id[p]];
   }
   ExpertGroups g;
   int64_t offset = 0;
@@ -48,9 +49,10 @@ ExpertGroups group_by_expert(const at::Tensor& ids, int64_t num_experts) {
     next[e] = offset;
     offset += count;
   }
-  g.pairs.resize(n);
-  g.position.resize(n);
+  g.pairs.resize(offset);
+  g.position.assign(n, -1);
   for (int64_t p = 0; p < n; ++p) {
+    if (id[p] < 0) continue;
     const int64_t pos = next[id[p]]++;
     g.pairs[pos] = p;
     g.position[p] = pos;
@@ -116,7 +118,9 @@ void combine(const at::Tensor& expert_out, const ExpertGroups& g, const at::Tens
         const int64_t n = std::min(kLanes, H - h);
         FVec acc(0.f);
         for (int64_t j = 0; j < top_k; ++j) {
-          const T* row = y + g.position[t * top_k + j] * H;
+          const int64_t pos = g.position[t * top_k + j];
+          if (pos < 0) continue;  // another rank's expert
+          const T* row = y + pos * H;
           acc = acc + FVec(w[t * top_k + j]) * widen<T>(row + h, n);
         }
         narrow<T>(acc, dst + t * H + h, n);
@@ -152,7 +156,7 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& gate_up, const at::T
   at::Tensor out = at::empty({tokens, x.size(1)}, x.options());
   if (tokens == 0 || top_k == 0) return out.zero_();
   const ExpertGroups g = group_by_expert(ids, gate_up.size(0));
-  const int64_t pairs = tokens * top_k;
+  const int64_t pairs = static_cast<int64_t>(g.pairs.size());
   const at::Tensor input = x.contiguous(), mix = weights.contiguous();
   HOTSWAP_DISPATCH(x.scalar_type(), "fused_moe", [&] {
     const at::Tensor rows = gather_rows<scalar_t>(input, g, top_k);

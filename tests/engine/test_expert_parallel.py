@@ -1,0 +1,103 @@
+"""Expert parallelism (`enable_expert_parallel=True` with two tensor-parallel ranks): each
+rank holds half of every sparse layer's routed experts whole. Against one rank in float32:
+the same greedy tokens, logprobs within 1e-5 and the same routed experts (Qwen3-MoE,
+Qwen2-MoE's shared expert still split, Mixtral). A round updating some experts changes
+only the rank holding them; stacked tensors and a disk reload give every rank its fresh
+share; an expert count the ranks do not divide is refused naming tensor_parallel_size."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hotswap.errors import InvalidArgument
+from tests.engine.test_tensor_parallel import assert_same, make, run
+from tests.helpers.moe import stacked_experts
+from tests.weight_transfer.test_bad_input import send
+
+# Two-rank engines (a worker process each) and one-rank references: slow.
+pytestmark = pytest.mark.slow
+
+
+def expert_parallel(path: Path, **kw):  # noqa: ANN201
+    return make(path, 2, enable_expert_parallel=True, **kw)
+
+
+def checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def rank_checksums(llm) -> dict[str, dict[str, str]]:  # noqa: ANN001
+    """{rank ("tp0"): {parameter: checksum}} from vLLM's per-rank keys."""
+    found: dict[str, dict[str, str]] = {}
+    for key, value in llm.call("get_weight_checksums").items():
+        parts = key.split(":")
+        found.setdefault(parts[3], {})[parts[-1]] = value
+    return found
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_expert_parallel_ranks_generate_and_route_what_one_does(
+    tiny_model_factory,  # noqa: ANN001
+    arch: str,
+) -> None:
+    path = tiny_model_factory(arch)
+    single = run(make(path, 1, enable_return_routed_experts=True))
+    llm = expert_parallel(path, enable_return_routed_experts=True)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        count = config.get("num_experts") or config["num_local_experts"]
+        inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+        experts = llm.engine.runner.model.sparse_blocks()[0].experts  # rank 0's
+        assert experts.gate_up_proj.shape[:2] == (count // 2, 2 * inter)  # half, whole
+        parallel = run(llm)
+        assert_same(single, parallel)
+        for one, two in zip(single, parallel, strict=True):
+            np.testing.assert_array_equal(two.outputs[0].routed_experts,
+                                          one.outputs[0].routed_experts)  # fmt: skip
+    finally:
+        llm.shutdown()
+
+
+def test_a_round_of_some_experts_changes_only_the_rank_holding_them(
+    tiny_model_factory,  # noqa: ANN001
+) -> None:
+    v1, v2 = tiny_model_factory("qwen3_moe", seed=0), tiny_model_factory("qwen3_moe", seed=1)
+    new = checkpoint(v2)
+    # expert 1 of layer 0: rank 0 holds experts 0-3, rank 1 experts 4-7
+    some = {k: v for k, v in new.items() if ".mlp.experts.1." in k and "layers.0." in k}
+    llm = expert_parallel(v1, weight_transfer_config={"backend": "ipc"})
+    try:
+        fresh = rank_checksums(llm)
+        send(llm, sorted(some.items()))
+        after = rank_checksums(llm)
+        changed = {rank: sorted(k for k in after[rank] if after[rank][k] != fresh[rank][k])
+                   for rank in after}  # fmt: skip
+        assert changed == {"tp0": ["model.layers.0.mlp.experts.down_proj",
+                                   "model.layers.0.mlp.experts.gate_up_proj"], "tp1": []}  # fmt: skip
+        # the same weights on one rank generate the same tokens
+        mixed = {**checkpoint(v1), **some}
+        reference = make(v1, 1, weight_transfer_config={"backend": "ipc"})
+        send(reference, sorted(some.items()))
+        assert_same(run(reference), run(llm))
+        # stacked (transformers 5's names): each rank takes its range of experts
+        send(llm, sorted(stacked_experts(checkpoint(v1)).items()))
+        assert rank_checksums(llm) == fresh
+        send(llm, sorted(stacked_experts(mixed).items()))
+        assert rank_checksums(llm) == after
+        llm.call("load_weights_from_disk", model_path=str(v1))
+        assert rank_checksums(llm) == fresh
+    finally:
+        llm.shutdown()
+
+
+def test_an_expert_count_the_ranks_do_not_divide_is_refused(tiny_model_factory) -> None:  # noqa: ANN001
+    path = tiny_model_factory("qwen3_moe", num_experts=7)
+    with pytest.raises(InvalidArgument, match="divide the model's num_experts") as refused:
+        expert_parallel(path)
+    assert refused.value.field == "tensor_parallel_size"
