@@ -12,12 +12,14 @@ the tokens asked for):
 
 hotswap runs with and without `--enable-return-routed-experts` (alternating, best of
 `--repeats`); transformers runs `generate` on the same batches (left-padded); vLLM in its
-own venv (`--with-vllm`). Then the experts' products alone: hotswap's fused call (one
+own venv (`--with-vllm`); `--parallel` adds two ranks, splitting every expert
+(`tensor_parallel_size=2`) and holding half of them whole each (`enable_expert_parallel`).
+Then the experts' products alone: hotswap's fused call (one
 C++ call per layer), the same products launched per expert from Python, and one padded
 batched matmul over every expert.
 
     python benchmarks/moe.py [--experts 16] [--top-k 2] [--repeats 2] [--with-vllm]
-                             [--out benchmarks/results/moe-....json]
+                             [--parallel] [--out benchmarks/results/moe-....json]
 """
 
 from __future__ import annotations
@@ -195,6 +197,22 @@ def expert_products(args: argparse.Namespace) -> list[tuple[int, float, float, f
     return results
 
 
+def parallel_tok_s(model_dir: Path, common: dict, repeats: int) -> dict[str, float]:
+    """Two ranks splitting every expert (tensor parallelism) against two ranks holding
+    half of the experts each (expert parallelism), alternating. On a 2-core host each
+    rank gets one core: this measures the layouts' overheads, not a speed-up."""
+    from hotswap import LLM
+
+    engines = {"hotswap, tp=2": LLM(str(model_dir), tensor_parallel_size=2, **common),
+               "hotswap, tp=2 + ep": LLM(str(model_dir), tensor_parallel_size=2,
+                                         enable_expert_parallel=True, **common)}  # fmt: skip
+    try:
+        return best_of(engines, repeats)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+
+
 def cpu_name() -> str:
     """This machine's CPU as Linux names it (the results depend on its vector units)."""
     try:
@@ -215,6 +233,8 @@ def main() -> None:
     parser.add_argument("--vllm-venv", default=str(Path(__file__).parent.parent / ".venv-vllm"))
     parser.add_argument("--vllm-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
+    parser.add_argument("--parallel", action="store_true",
+                        help="also two ranks: tensor against expert parallelism")  # fmt: skip
     args = parser.parse_args()
     if args.vllm_worker:
         vllm_worker(args.vllm_worker, args.repeats)
@@ -230,6 +250,8 @@ def main() -> None:
                    str(model_dir), enable_return_routed_experts=True, **common)}  # fmt: skip
     best = best_of(engines, args.repeats)
     del engines
+    if args.parallel:
+        best.update(parallel_tok_s(model_dir, common, args.repeats))
     for workload in WORKLOADS:
         best[f"transformers, {workload}"] = transformers_tok_s(model_dir, workload)
     if args.with_vllm:
