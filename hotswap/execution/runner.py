@@ -200,7 +200,7 @@ class ModelRunner(RankWeights, RankShadow):
         spec = self.model.spec
         heads, kv_heads = self.model.local_heads
         cache = CacheSpec(self.block_size, heads, kv_heads, spec.head_dim, self.cache_dtype,
-                          self.device)  # fmt: skip
+                          self.device, self.config.model.dtype)  # fmt: skip
         return [self.backend.make_cache(num_blocks, cache) for _ in range(spec.num_layers)]
 
     @on_every_rank

@@ -29,8 +29,9 @@ class CacheSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the cache's (float8_e4m3fn for an FP8 cache)
     device: torch.device
+    compute_dtype: torch.dtype | None = None  # the queries' (None: `dtype`)
 
 
 def natural_cache(num_blocks: int, spec: CacheSpec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,9 +5,11 @@ Where the tiled kernel applies (bf16, head size 64 or 128, AVX-512 BF16), the ca
 in 16-position tiles per kv head, laid out for BF16 dot products (see
 csrc/paged_attention_tiles.cpp): a decode step reads them as they are, at ~1.2-1.4x the
 natural layout's speed; new tokens are written into their tiles, and a prefill chunk with
-cached context has the tiles rearranged into rows for SDPA. Elsewhere the cache keeps the
-natural [blocks, block_size, kv_heads, dim] layout and the portable kernel, which also
-reads an FP8 cache's e4m3 codes (--kv-cache-dtype fp8: never tiled).
+cached context has the tiles rearranged into rows for SDPA. An FP8 cache under bf16
+queries (--kv-cache-dtype fp8) is tiled too: new tokens are quantized, their codes written
+into the tiles, and the kernel widens the codes as it reads them. Elsewhere the cache keeps
+the natural [blocks, block_size, kv_heads, dim] layout and the portable kernel, which reads
+e4m3 codes as well.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from hotswap.model.attention import (
     KVScales,
     SequenceSlice,
     TorchPagedAttention,
+    dequantized,
     natural_cache,
     write_kv,
 )
 from hotswap.model.kernels import CpuKernels
+from hotswap.model.kv_fp8 import FP8_KV_DTYPE, quantize_kv
 
 TILE = 16  # positions per tile
 
@@ -39,6 +43,9 @@ def untile(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's [context_len, kv_heads, dim] keys and values, out of its tiles (key
     tile [dim/2][16][2], value tile [8][dim][2]: see csrc/paged_attention_tiles.cpp)."""
+    if k_tiles.dtype == FP8_KV_DTYPE:  # codes moved as bytes (index_select has no float8)
+        keys, values = untile(k_tiles.view(torch.uint8), v_tiles.view(torch.uint8), seq)
+        return keys.view(FP8_KV_DTYPE), values.view(FP8_KV_DTYPE)
     blocks, kv_heads, tiles, size = k_tiles.shape
     dim, n = size // TILE, len(seq.block_table)
     keys = k_tiles.index_select(0, seq.block_table).view(n, kv_heads, tiles, dim // 2, TILE, 2)
@@ -57,17 +64,20 @@ class PagedKernelAttention(TorchPagedAttention):
 
     def make_cache(self, num_blocks: int, spec: CacheSpec) -> tuple[torch.Tensor, torch.Tensor]:
         self.tiled = self.kernels.tiles_apply(spec.dtype, spec.num_heads, spec.num_kv_heads,
-                                              spec.head_dim, spec.block_size)  # fmt: skip
+                                              spec.head_dim, spec.block_size,
+                                              spec.compute_dtype)  # fmt: skip
         return (tiled_cache if self.tiled else natural_cache)(num_blocks, spec)
 
     def context(self, kv_cache, seq: SequenceSlice, kv_scales: KVScales = None,  # noqa: ANN001
                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        if self.tiled:  # bf16 only: never FP8
-            return untile(*kv_cache, seq)
+        if self.tiled:
+            return dequantized(*untile(*kv_cache, seq), kv_scales, dtype)
         return super().context(kv_cache, seq, kv_scales, dtype)
 
     def forward(self, query, key, value, kv_cache, meta, scale, kv_scales=None):  # noqa: ANN001
         if self.tiled:
+            if kv_scales is not None:  # an FP8 cache: the codes go into the tiles
+                key, value = quantize_kv(key, kv_scales[0]), quantize_kv(value, kv_scales[1])
             self.kernels.write_kv_tiles(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
         else:
             write_kv(key, value, kv_cache, meta.slot_mapping, kv_scales)
@@ -85,11 +95,9 @@ class PagedKernelAttention(TorchPagedAttention):
     def _decode(self, query, kv_cache, batch: DecodeBatch, scale, kv_scales=None) -> torch.Tensor:  # noqa: ANN001
         keys, values = kv_cache
         tables, lens = batch.block_tables, batch.context_lens
-        if self.tiled:
-            return self.kernels.paged_decode_attention_tiles(query, keys, values, tables, lens,
-                                                             scale)  # fmt: skip
         # the scales always passed: Inductor's C++ wrapper leaves defaulted arguments out of
         # the call, which the dispatcher then refuses
         k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
-        return self.kernels.paged_decode_attention(query, keys, values, tables, lens, scale,
-                                                   k_scale, v_scale)  # fmt: skip
+        decode = (self.kernels.paged_decode_attention_tiles if self.tiled
+                  else self.kernels.paged_decode_attention)  # fmt: skip
+        return decode(query, keys, values, tables, lens, scale, k_scale, v_scale)

@@ -78,8 +78,8 @@ def test_a_round_of_some_experts_changes_only_the_rank_holding_them(
         after = rank_checksums(llm)
         changed = {rank: sorted(k for k in after[rank] if after[rank][k] != fresh[rank][k])
                    for rank in after}  # fmt: skip
-        assert changed == {"tp0": ["model.layers.0.mlp.experts.down_proj",
-                                   "model.layers.0.mlp.experts.gate_up_proj"], "tp1": []}  # fmt: skip
+        layer = "model.layers.0.mlp.experts"
+        assert changed == {"tp0": [f"{layer}.down_proj", f"{layer}.gate_up_proj"], "tp1": []}
         # the same weights on one rank generate the same tokens
         mixed = {**checkpoint(v1), **some}
         reference = make(v1, 1, weight_transfer_config={"backend": "ipc"})

@@ -112,3 +112,34 @@ def test_fp8_weights_and_cache_sleep_and_wake_to_the_same_tokens(tiny_model_fact
     assert llm.engine.runner.kv_caches[0][0].dtype == FP8_KV_DTYPE
     after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert before == hits == after
+
+
+@pytest.mark.slow
+def test_a_bf16_model_reads_its_fp8_cache_through_the_tiled_kernel(tiny_model_factory) -> None:  # noqa: ANN001
+    """Head size 64, bf16 queries: the FP8 codes are kept in tiles (written by the kernel,
+    read by the tiled decode kernel, untiled for prefill chunks over cached context); the
+    tokens and logprobs are those of the torch path reading the same codes, within bf16
+    rounding, and a prefix hit gives the first run's tokens."""
+    model_dir = tiny_model_factory("llama", head_dim=64, num_attention_heads=4,
+                                   num_key_value_heads=2, hidden_size=128)  # fmt: skip
+    args = dict(dtype="bfloat16", kv_cache_dtype="fp8", block_size=16, progress=False,
+                max_num_batched_tokens=32)  # fmt: skip
+    tiled = LLM(str(model_dir), **args)
+    assert tiled.engine.runner.backend.tiled  # the FP8 cache is tiled
+    torch_ops = LLM(str(model_dir), cpu_kernels=False, **args)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    ours = tiled.generate(PROMPTS, params, use_tqdm=False)
+    theirs = torch_ops.generate(PROMPTS, params, use_tqdm=False)
+    agree = 0
+    for a, b in zip(ours, theirs, strict=True):
+        x, y = a.outputs[0], b.outputs[0]
+        same = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t),
+                    len(x.token_ids))  # fmt: skip
+        agree += same
+        got = [next(iter(p.values())).logprob for p in x.logprobs[:same]]
+        want = [next(iter(p.values())).logprob for p in y.logprobs[:same]]
+        assert got == pytest.approx(want, abs=0.1)  # bf16 attention outputs, two paths
+    assert agree >= 0.9 * 24 * len(PROMPTS)
+    again = tiled.generate(PROMPTS, params, use_tqdm=False)  # prefix hits: untiled codes
+    assert sum(o.num_cached_tokens for o in again) > 0
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in ours]

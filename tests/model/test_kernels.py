@@ -268,7 +268,7 @@ def tiled_copy(ops, k_cache, v_cache):  # noqa: ANN001, ANN201
 def test_tiled_decode_attention_matches_reference(ops, shape) -> None:  # noqa: ANN001
     heads, kv_heads, dim, block_size = shape
     q, k, v, tables, lens = random_batch(heads, kv_heads, dim, block_size, LENS, torch.bfloat16)
-    out = ops.paged_decode_attention_tiles(q, *tiled_copy(ops, k, v), tables, lens, dim**-0.5)
+    out = ops.paged_decode_attention_tiles(q, *tiled_copy(ops, k, v), tables, lens, dim**-0.5, 1, 1)
     expected = reference_decode(q, k, v, tables, lens, dim**-0.5)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=0)
 
@@ -278,14 +278,14 @@ def test_tiled_sequence_gets_the_same_bits_alone_or_in_a_batch(ops) -> None:  # 
     lens = [37 + 13 * i for i in range(40)]
     q, k, v, tables, lens_t = random_batch(9, 3, 64, 16, lens, torch.bfloat16)
     k_tiles, v_tiles = tiled_copy(ops, k, v)
-    together = ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, tables, lens_t, 0.125)
+    together = ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, tables, lens_t, 0.125, 1, 1)
     for b in (0, 17, 39):
         rows = slice(b, b + 1)
         alone = ops.paged_decode_attention_tiles(q[rows], k_tiles, v_tiles, tables[rows],
-                                                 lens_t[rows], 0.125)  # fmt: skip
+                                                 lens_t[rows], 0.125, 1.0, 1.0)  # fmt: skip
         assert torch.equal(alone[0], together[b])
     view = torch.cat([q, torch.zeros_like(q[:, :3])], dim=1)[:, :9]  # rows of a fused output
-    strided = ops.paged_decode_attention_tiles(view, k_tiles, v_tiles, tables, lens_t, 0.125)
+    strided = ops.paged_decode_attention_tiles(view, k_tiles, v_tiles, tables, lens_t, 0.125, 1, 1)
     assert torch.equal(strided, together)
 
 
@@ -307,9 +307,10 @@ def test_tiled_ops_refuse_bad_tables_and_slots(ops) -> None:  # noqa: ANN001
     bad = tables.clone()
     bad[1, 1] = k.shape[0]
     with pytest.raises(RuntimeError, match="not in the cache"):
-        ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, bad, lens, 0.125)
+        ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, bad, lens, 0.125, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="does not fit"):
-        ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, tables, torch.tensor([0, 20]), 0.125)
+        ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, tables, torch.tensor([0, 20]), 0.125,
+                                         1.0, 1.0)  # fmt: skip
     before = k_tiles.clone()
     new = torch.ones(2, 3, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="slot 100000 is not in the cache"):

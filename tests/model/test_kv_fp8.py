@@ -13,13 +13,23 @@ import torch
 from hotswap.model.attention import (
     BatchInvariantAttention,
     CacheSpec,
+    SequenceSlice,
     TorchPagedAttention,
     build_metadata,
+    gather_context,
 )
-from hotswap.model.attention_kernel import PagedKernelAttention
+from hotswap.model.attention_kernel import PagedKernelAttention, untile
 from hotswap.model.kernels import CpuKernels, load_cpu_kernels
 from hotswap.model.kv_fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv, split_kv_scales
-from tests.model.test_kernels import LENS, SHAPES, random_batch, reference_decode
+from tests.model.test_kernels import (
+    LENS,
+    SHAPES,
+    TILED_SHAPES,
+    needs_tiles,
+    random_batch,
+    reference_decode,
+    tiled_copy,
+)
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -73,6 +83,34 @@ def test_kernel_over_fp8_caches_matches_the_dequantized_reference(shape, dtype, 
     # float32 arithmetic over exact inputs; bf16: the output rounded (2^-8 of values ~3 x)
     atol = 5e-2 if dtype == torch.bfloat16 else 2e-5 * max(scales[1], 1.0)
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0)
+
+
+@needs_tiles
+@pytest.mark.parametrize("scales", SCALES, ids=["unit", "scaled"])
+@pytest.mark.parametrize("shape", TILED_SHAPES, ids=lambda s: "h{}kv{}d{}bs{}".format(*s))
+def test_tiled_kernel_over_fp8_caches_matches_the_dequantized_reference(shape, scales) -> None:
+    """bf16 queries over an FP8 cache kept in tiles (codes written by write_kv_tiles); the
+    same codes read by the natural-layout kernel agree too."""
+    ops = torch.ops.hotswap_cpu
+    heads, kv_heads, dim, block_size = shape
+    q, kc, vc, k_ref, v_ref, tables, lens = fp8_batch(heads, kv_heads, dim, block_size, LENS,
+                                                      torch.bfloat16, scales)  # fmt: skip
+    k_tiles, v_tiles = tiled_copy(ops, kc, vc)
+    assert k_tiles.dtype == FP8_KV_DTYPE
+    scale = dim**-0.5
+    out = ops.paged_decode_attention_tiles(q, k_tiles, v_tiles, tables, lens, scale, *scales)
+    expected = reference_decode(q, k_ref, v_ref, tables, lens, scale)
+    # probabilities rounded to bf16 for the value products, the output to bf16
+    torch.testing.assert_close(out.double(), expected, atol=5e-2, rtol=0)
+    natural = ops.paged_decode_attention(q, kc, vc, tables, lens, scale, *scales)
+    torch.testing.assert_close(out.double(), natural.double(), atol=5e-2, rtol=0)
+    for table, length in zip(tables, lens.tolist()):  # untile gives the codes back
+        seq = SequenceSlice(0, 1, length, table)
+        keys, _ = untile(k_tiles, v_tiles, seq)
+        assert torch.equal(keys.view(torch.uint8), gather_context(kc.view(torch.uint8), seq))
+    with pytest.raises(RuntimeError, match="FP8 caches only"):
+        bf16 = tiled_copy(ops, *(c.to(torch.bfloat16) for c in (kc, vc)))
+        ops.paged_decode_attention_tiles(q, *bf16, tables, lens, scale, 0.5, 1.0)
 
 
 @needs_compiler

@@ -80,12 +80,14 @@ class CpuKernels(LayerKernels):
 
     @staticmethod
     def tiles_apply(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                    block_size: int) -> bool:  # fmt: skip
+                    block_size: int, compute_dtype: torch.dtype | None = None) -> bool:  # fmt: skip
         """Whether the tiled cache and its kernel (csrc/paged_attention_tiles.cpp) serve
-        this model: bf16, head size 64 or 128, at most 8 query heads per kv head, blocks
-        of whole tiles, on a CPU the kernels were built with AVX-512 BF16 for."""
+        this model: a bf16 cache (or an FP8 one under bf16 queries: `compute_dtype`), head
+        size 64 or 128, at most 8 query heads per kv head, blocks of whole tiles, on a CPU
+        the kernels were built with AVX-512 BF16 for."""
+        fp8_cache = dtype == torch.float8_e4m3fn and compute_dtype == torch.bfloat16
         return (
-            dtype == torch.bfloat16
+            (dtype == torch.bfloat16 or fp8_cache)
             and head_dim in (64, 128)
             and heads % kv_heads == 0
             and heads // kv_heads <= MAX_TILE_GROUP

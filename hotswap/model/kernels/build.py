@@ -168,7 +168,7 @@ def _register_fakes() -> None:
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("hotswap_cpu::paged_decode_attention_tiles")
-    def _(query, key_tiles, value_tiles, block_tables, context_lens, scale):  # noqa: ANN001, ANN202
+    def _(query, key_tiles, value_tiles, block_tables, context_lens, scale, k_scale, v_scale):  # noqa: ANN001, ANN202
         return query.new_empty(query.shape)
 
     @torch.library.register_fake("hotswap_cpu::write_kv_tiles")

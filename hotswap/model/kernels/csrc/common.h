@@ -102,7 +102,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
                                   double v_scale);
 at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tensor& key_tiles,
                                         const at::Tensor& value_tiles, const at::Tensor& block_tables,
-                                        const at::Tensor& context_lens, double scale);
+                                        const at::Tensor& context_lens, double scale, double k_scale,
+                                        double v_scale);
 void write_kv_tiles(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_tiles,
                     at::Tensor& value_tiles, const at::Tensor& slot_mapping);
 at::Tensor gemv(const at::Tensor& input, const at::Tensor& weight);

@@ -6,10 +6,10 @@
 //       cache (no gather into a copy); online softmax over the blocks in order. An FP8
 //       cache (float8_e4m3fn) is read as code x k_scale (keys), code x v_scale (values).
 //   paged_decode_attention_tiles(query, key_tiles, value_tiles, block_tables, context_lens,
-//                                scale), write_kv_tiles(key, value, key_tiles!, value_tiles!,
-//                                slot_mapping)
-//       the same over a bf16 cache kept in 16-position tiles laid out for AVX-512 BF16 dot
-//       products (paged_attention_tiles.cpp), and the write of new tokens into it.
+//                                scale, k_scale, v_scale), write_kv_tiles(key, value,
+//                                key_tiles!, value_tiles!, slot_mapping)
+//       the same over a bf16 (or FP8) cache kept in 16-position tiles laid out for AVX-512
+//       (paged_attention_tiles.cpp), and the write of new tokens (or their codes) into it.
 //   gemv(input, weight)
 //       input [M, K] @ weight[N, K]^T for the few rows of a decode step: the weights are
 //       streamed once, which is all a matrix-vector product can do.
@@ -42,7 +42,8 @@ TORCH_LIBRARY(hotswap_cpu, m) {
         "Tensor block_tables, Tensor context_lens, float scale, float k_scale, "
         "float v_scale) -> Tensor");
   m.def("paged_decode_attention_tiles(Tensor query, Tensor key_tiles, Tensor value_tiles, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, float scale, float k_scale, float v_scale) "
+        "-> Tensor");
   m.def("write_kv_tiles(Tensor key, Tensor value, Tensor(a!) key_tiles, Tensor(b!) value_tiles, "
         "Tensor slot_mapping) -> ()");
   m.def("gemv(Tensor input, Tensor weight) -> Tensor");
