@@ -14,12 +14,15 @@ hotswap runs with and without `--enable-return-routed-experts` (alternating, bes
 `--repeats`); transformers runs `generate` on the same batches (left-padded); vLLM in its
 own venv (`--with-vllm`); `--parallel` adds two ranks, splitting every expert
 (`tensor_parallel_size=2`) and holding half of them whole each (`enable_expert_parallel`).
-Then the experts' products alone: hotswap's fused call (one
+`--expert-lora` adds one engine with LoRA on, every request on a peft adapter of rank 16 on
+the routed experts (and q/v) against every request on the base model. Then the experts'
+products alone: hotswap's fused call (one
 C++ call per layer), the same products launched per expert from Python, and one padded
 batched matmul over every expert.
 
     python benchmarks/moe.py [--experts 16] [--top-k 2] [--repeats 2] [--with-vllm]
-                             [--parallel] [--out benchmarks/results/moe-....json]
+                             [--parallel] [--expert-lora]
+                             [--out benchmarks/results/moe-....json]
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def prompts(workload: str) -> tuple[list[list[int]], int]:
     )
 
 
-def timed_engine(llm, workload: str, vllm: bool = False) -> float:  # noqa: ANN001
+def timed_engine(llm, workload: str, vllm: bool = False, lora=None) -> float:  # noqa: ANN001
     ids, max_tokens = prompts(workload)
     if vllm:
         from vllm import SamplingParams
@@ -83,7 +86,8 @@ def timed_engine(llm, workload: str, vllm: bool = False) -> float:  # noqa: ANN0
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.reset_prefix_cache()
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    extra = {} if lora is None else {"lora_request": lora}
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False, **extra)
     elapsed = time.perf_counter() - start
     assert sum(len(o.outputs[0].token_ids) for o in outs) == len(ids) * max_tokens
     return len(ids) * max_tokens / elapsed
@@ -213,6 +217,42 @@ def parallel_tok_s(model_dir: Path, common: dict, repeats: int) -> dict[str, flo
             llm.shutdown()
 
 
+def write_expert_adapter(model_dir: Path, rank: int = 16) -> Path:
+    """A random peft adapter on the routed experts (`target_parameters`, stacked
+    gate_up_proj and down_proj) and on q_proj / v_proj, as TRL trains MoE policies."""
+    import peft
+    import transformers
+
+    out = model_dir.with_name(model_dir.name + f"-expert-lora-r{rank}")
+    if (out / "adapter_model.safetensors").exists():
+        return out
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                             target_parameters=["mlp.experts.gate_up_proj",
+                                                "mlp.experts.down_proj"],
+                             init_lora_weights=False)  # fmt: skip
+    peft.get_peft_model(model, config).save_pretrained(out)
+    return out
+
+
+def expert_lora_tok_s(model_dir: Path, common: dict, repeats: int) -> dict[str, float]:
+    """One engine with LoRA on: every request on the expert adapter against every
+    request on the base model, alternating."""
+    from hotswap import LLM, LoRARequest
+
+    adapter = LoRARequest("experts", 1, str(write_expert_adapter(model_dir)))
+    llm = LLM(str(model_dir), enable_lora=True, max_lora_rank=16, **common)
+    best: dict[str, float] = {}
+    timed_engine(llm, "decode", lora=adapter)  # warm-up (loads the adapter)
+    for _ in range(repeats):
+        for workload in WORKLOADS:
+            for name, lora in (("LoRA on, base rows", None), ("expert LoRA r=16", adapter)):
+                key = f"hotswap, {name}, {workload}"
+                best[key] = max(best.get(key, 0.0), timed_engine(llm, workload, lora=lora))
+    return best
+
+
 def cpu_name() -> str:
     """This machine's CPU as Linux names it (the results depend on its vector units)."""
     try:
@@ -235,6 +275,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     parser.add_argument("--parallel", action="store_true",
                         help="also two ranks: tensor against expert parallelism")  # fmt: skip
+    parser.add_argument("--expert-lora", action="store_true",
+                        help="also an adapter on the routed experts against the base")  # fmt: skip
     args = parser.parse_args()
     if args.vllm_worker:
         vllm_worker(args.vllm_worker, args.repeats)
@@ -252,6 +294,8 @@ def main() -> None:
     del engines
     if args.parallel:
         best.update(parallel_tok_s(model_dir, common, args.repeats))
+    if args.expert_lora:
+        best.update(expert_lora_tok_s(model_dir, common, args.repeats))
     for workload in WORKLOADS:
         best[f"transformers, {workload}"] = transformers_tok_s(model_dir, workload)
     if args.with_vllm:

@@ -148,7 +148,11 @@ class Scheduler:
         self._prefill_budget = self._prefill_cap()
         self.kv.pool.expire(time.monotonic())
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        self._schedule_waiting(out, budget)
+        # As vLLM: a step that had to preempt admits nothing. Its victims wait first in
+        # line, and their blocks, still cached, would let one come straight back in the
+        # same step, scheduled and preempted at once.
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
         return out
 
     def _prefill_cap(self) -> int:

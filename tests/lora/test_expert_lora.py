@@ -20,6 +20,7 @@ from tests.lora.test_lora import (
     ATTENTION,
     GREEDY,
     PROMPT,
+    assert_mixed_step_equals_each_alone,
     reference_logprobs,
     run,
     sampled_logprobs,
@@ -81,16 +82,9 @@ def test_expert_adapters_batch_with_base_rows_and_dense_adapters(
         "dense": expert_adapter(model_dir, tmp_path / "d", [], seed=4),
         "experts-r8": expert_adapter(model_dir, tmp_path / "e8", BOTH, rank=8, seed=5),
     }
-    loras = [None] + [LoRARequest(n, i + 1, str(p)) for i, n in enumerate(paths) for p in
-                      [paths[n]]]  # fmt: skip
-    prompts = [{"prompt_token_ids": PROMPT[: 12 + i]} for i in range(4)]
-    mixed = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
-    for prompt, lora, together in zip(prompts, loras, mixed):
-        alone = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]
-        assert alone.outputs[0].token_ids == together.outputs[0].token_ids
-        expected = sampled_logprobs(alone.outputs[0])
-        assert sampled_logprobs(together.outputs[0]) == pytest.approx(expected, abs=1e-5)
-    assert len({tuple(o.outputs[0].token_ids) for o in mixed}) > 1
+    loras = [None] + [LoRARequest(name, i + 1, str(path))
+                      for i, (name, path) in enumerate(paths.items())]  # fmt: skip
+    assert_mixed_step_equals_each_alone(llm, loras)
 
 
 def _edited(source: Path, target: Path, config: dict | None = None,

@@ -120,7 +120,13 @@ def test_mixed_step_equals_each_alone(tiny_llama: Path, adapters, invariant: boo
               batch_invariant=invariant, enable_prefix_caching=False, progress=False)  # fmt: skip
     loras = [None] + [LoRARequest(n, i + 1, str(adapters[n]))
                       for i, n in enumerate(("attn-r8", "mlp-r8", "all-r64"))]  # fmt: skip
-    prompts = [{"prompt_token_ids": PROMPT[: 12 + i]} for i in range(4)]
+    assert_mixed_step_equals_each_alone(llm, loras, invariant)
+
+
+def assert_mixed_step_equals_each_alone(llm: LLM, loras: list, invariant: bool = False) -> None:
+    """One prompt per entry of `loras` (an adapter or None), all in one generate call:
+    each equals its prompt run alone (bitwise where `invariant`, else within 1e-5)."""
+    prompts = [{"prompt_token_ids": PROMPT[: 12 + i]} for i in range(len(loras))]
     mixed = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     for prompt, lora, together in zip(prompts, loras, mixed):
         alone = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]
