@@ -207,6 +207,12 @@ class EngineArgs:
     )
     max_loras: int = arg(1, "most distinct LoRA adapters in one step")
     max_lora_rank: int = arg(16, "highest LoRA rank an adapter may have")
+    # vLLM needs it (and is_3d_lora_weight on the request) for peft's 3-D adapters on a
+    # mixture of experts' stacked experts; hotswap reads each adapter's layout itself
+    enable_mixed_moe_lora_format: bool = arg(
+        False, "vLLM's flag for fused 3-D MoE adapters: accepted, not needed (hotswap "
+        "reads each adapter's layout, per-expert or peft's target_parameters, itself)"
+    )  # fmt: skip
     max_cpu_loras: int | None = arg(
         None, "most LoRA adapters loaded at once (default: max(8, --max-loras))"
     )

@@ -19,6 +19,9 @@ class LoRARequest:
     lora_path: str = ""
     base_model_name: str | None = None
     load_inplace: bool = False
+    # vLLM's marker of an adapter whose MoE weights are 3-D (peft's target_parameters on
+    # the stacked experts); hotswap reads the adapter's own layout, so it changes nothing
+    is_3d_lora_weight: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:

@@ -44,7 +44,8 @@ def engine(model_dir: Path, **kw) -> LLM:
 
 
 def assert_equals_peft(llm: LLM, model_dir: Path, adapter: Path, name: str) -> list[int]:
-    completion = run(llm, LoRARequest(name, 1, str(adapter))).outputs[0]
+    # vLLM's marker of a 3-D adapter, as a user moving from vLLM writes it: accepted
+    completion = run(llm, LoRARequest(name, 1, str(adapter), is_3d_lora_weight=True)).outputs[0]
     expected = reference_logprobs(peft_reference(model_dir, adapter), PROMPT,
                                   completion.token_ids)  # fmt: skip
     got = torch.tensor(sampled_logprobs(completion))
@@ -55,7 +56,7 @@ def assert_equals_peft(llm: LLM, model_dir: Path, adapter: Path, name: str) -> l
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
 def test_expert_adapters_equal_peft(tiny_model_factory, tmp_path: Path, arch: str) -> None:
     model_dir = tiny_model_factory(arch)
-    llm = engine(model_dir)
+    llm = engine(model_dir, enable_mixed_moe_lora_format=True)  # vLLM's flag: accepted
     both = expert_adapter(model_dir, tmp_path / "both", BOTH)
     keys = load_file(both / "adapter_model.safetensors")
     assert any(".experts.base_layer.lora_A" in k for k in keys)  # peft's nested wrappers
