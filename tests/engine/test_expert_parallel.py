@@ -2,8 +2,9 @@
 rank holds half of every sparse layer's routed experts whole. Against one rank in float32:
 the same greedy tokens, logprobs within 1e-5 and the same routed experts (Qwen3-MoE,
 Qwen2-MoE's shared expert still split, Mixtral). A round updating some experts changes
-only the rank holding them; stacked tensors and a disk reload give every rank its fresh
-share; an expert count the ranks do not divide is refused naming tensor_parallel_size."""
+only the rank holding them; stacked tensors, a disk reload and m2n pushes from sharded
+trainer ranks give every rank its fresh share; an expert count the ranks do not divide is
+refused naming tensor_parallel_size."""
 
 from __future__ import annotations
 
@@ -101,3 +102,23 @@ def test_an_expert_count_the_ranks_do_not_divide_is_refused(tiny_model_factory) 
     with pytest.raises(InvalidArgument, match="divide the model's num_experts") as refused:
         expert_parallel(path)
     assert refused.value.field == "tensor_parallel_size"
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-expert"])
+def test_m2n_trainer_ranks_update_expert_parallel_ranks(tiny_model_factory, stacked) -> None:  # noqa: ANN001
+    """Two trainer ranks (FSDP-style shards) into two EP ranks: each engine rank receives
+    the slices of the experts it holds (a stacked tensor's rows, or whole per-expert
+    tensors) and ends as a fresh EP engine of the same weights."""
+    from tests.weight_transfer.test_m2n import push
+
+    v1, v2 = tiny_model_factory("qwen3_moe", seed=0), tiny_model_factory("qwen3_moe", seed=1)
+    new = stacked_experts(checkpoint(v2)) if stacked else checkpoint(v2)
+    fresh = expert_parallel(v2)
+    llm = expert_parallel(v1, weight_transfer_config={"backend": "m2n"})
+    try:
+        push(llm, new, 2, 2)
+        assert llm.get_weight_info()["digest"] == fresh.get_weight_info()["digest"]
+        assert_same(run(fresh), run(llm))
+    finally:
+        llm.shutdown()
+        fresh.shutdown()
