@@ -20,7 +20,12 @@ from hotswap.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 from tests.weight_transfer.conftest import free_port
-from tests.weight_transfer.test_mid_flight_swap import ENGINE, MAX_TOKENS, PROMPTS
+from tests.weight_transfer.test_mid_flight_swap import ENGINE, PROMPTS
+
+# Tokens per stream: the round starts once a stream has 10, and must commit before most
+# streams end. 48 left too little room for two ranks writing their shadows on a loaded
+# 2-core CI host (every stream had finished before the commit, once in four full runs).
+MAX_TOKENS = 128
 
 # Rounds landing mid-generation in engines in this process, seconds each: slow.
 pytestmark = pytest.mark.slow
