@@ -39,6 +39,7 @@ LAYERS = {
     "hotswap.quantization": 0,  # FP8 configs and the quantizer (tensors in, tensors out)
     "hotswap.lora": 0,  # the package itself (empty); its modules by their own layers
     "hotswap.lora.request": 0,
+    "hotswap.lora.files": 0,
     "hotswap.structured_output": 0,
     "hotswap.generation_config": 0,
     # 1: the networks and their kernels; step execution beside them (runner, sampler, CUDA

@@ -24,9 +24,8 @@ from safetensors import SafetensorError, safe_open
 
 from hotswap.errors import InvalidArgument
 from hotswap.lora.experts import build_expert_layers, is_expert_module, parse_target_parameters
+from hotswap.lora.files import CONFIG_FILE, WEIGHTS_FILE
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target: the decoder's linear layers.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PEFT_PREFIX = "base_model.model."

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from hotswap.errors import InvalidArgument
+from hotswap.lora.files import WEIGHTS_FILE
 
 # The stacked parameters an adapter may target, and their (out, in) dims in the model's
 # [experts, out, in] layout, as names of FusedExperts' sizes.
 PARAMETERS = ("gate_up_proj", "down_proj")
 _EXPERTS = re.compile(r"(?P<experts>.+\.experts)(?:\.base_layer)*")
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 # projection -> {"gate_up_proj": (A [experts, r, in], B [experts, out, r] scaled)}
 ExpertMatrices = dict[str, tuple[torch.Tensor, torch.Tensor]]

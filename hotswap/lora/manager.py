@@ -26,14 +26,8 @@ from hotswap.engine.verbs import (
     UnloadLoraAdapter,
 )
 from hotswap.errors import InvalidArgument
-from hotswap.lora.adapter import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterConfig,
-    AdapterWeights,
-    build_adapter,
-    load_adapter,
-)
+from hotswap.lora.adapter import AdapterConfig, AdapterWeights, build_adapter, load_adapter
+from hotswap.lora.files import CONFIG_FILE, WEIGHTS_FILE
 from hotswap.lora.stage import AdapterStage
 from hotswap.weight_transfer.disk import check_safetensors, confine
 
