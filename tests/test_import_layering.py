@@ -42,6 +42,7 @@ LAYERS = {
     "hotswap.lora.files": 0,
     "hotswap.structured_output": 0,
     "hotswap.generation_config": 0,
+    "hotswap.multimodal": 0,  # request images read and processed (PIL, numpy)
     # 1: the networks and their kernels; step execution beside them (runner, sampler, CUDA
     # graphs); what every rank does with its weights (its double buffer, the writes every
     # rank makes, residency while asleep, checkpoint files); LoRA adapters in the layers
