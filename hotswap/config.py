@@ -94,6 +94,17 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class MediaConfig:
+    """Where a multimodal model's images may come from, and how many (vLLM's
+    --limit-mm-per-prompt, --allowed-local-media-path, --allowed-media-domains). Remote
+    URLs are fetched only from `allowed_media_domains` (None: never; vLLM fetches any)."""
+
+    limit_images: int = 999
+    allowed_local_media_path: Path | None = None
+    allowed_media_domains: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
@@ -153,6 +164,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"  # vLLM's: raw_/processed_ logprobs/logits
     # Disk reloads read only files whose real path lies under one of these (real paths).
     allowed_weight_dirs: tuple[Path, ...] = ()
+    media: MediaConfig = field(default_factory=MediaConfig)
     # vLLM's --worker-extension-cls: "module:Class" (or "module.Class"), whose public
     # methods collective_rpc may call; named at start, never by a request.
     worker_extension_cls: str | None = None
@@ -183,6 +195,28 @@ def resolve_model_path(model: str | None) -> Path:
             f"checkpoints; it never downloads)"
         )
     return path
+
+
+def media_config(limits: object, local_path: str | None,
+                 domains: list[str] | None) -> MediaConfig:  # fmt: skip
+    """vLLM's media flags: `limits` as --limit-mm-per-prompt takes it (JSON or a dict,
+    {"image": N}), the local directory file:// URLs may read (real path), the domains
+    remote images may come from."""
+    if isinstance(limits, str) and limits:
+        try:
+            limits = json.loads(limits)
+        except ValueError as e:
+            raise InvalidArgument("limit_mm_per_prompt",
+                                  f"limit_mm_per_prompt: not JSON ({e})") from None  # fmt: skip
+    limits = limits or {}
+    count = limits.get("image", 999) if isinstance(limits, dict) else None
+    if isinstance(count, dict):  # vLLM's newer form: {"image": {"count": N, ...}}
+        count = count.get("count", 999)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise InvalidArgument("limit_mm_per_prompt", "limit_mm_per_prompt: expected "
+                              f'{{"image": N}} with N >= 0, got {limits!r}')  # fmt: skip
+    local = Path(os.path.realpath(os.path.expanduser(local_path))) if local_path else None
+    return MediaConfig(count, local, tuple(domains) if domains is not None else None)
 
 
 def allowed_weight_dirs(dirs: object, model_dir: Path) -> tuple[Path, ...]:
@@ -228,7 +262,15 @@ def read_hf_config(
             raise InvalidArgument("hf_overrides", f"hf_overrides: not JSON ({e})") from None
     if overrides is not None and not isinstance(overrides, dict):
         raise InvalidArgument("hf_overrides", "hf_overrides: must be a JSON object")
-    return {**config, **(overrides or {})}
+    return {**flat_text_config(config), **(overrides or {})}
+
+
+def flat_text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal model's config.json nests its language model's keys (`text_config`,
+    as transformers 5 writes them; older checkpoints keep them on top): they are read from
+    the top level either way, top-level keys winning."""
+    text = config.get("text_config")
+    return {**text, **config} if isinstance(text, dict) else config
 
 
 QUANTIZATION_METHODS = ("fp8",)  # vLLM's --quantization values hotswap serves

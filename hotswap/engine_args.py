@@ -32,6 +32,7 @@ from hotswap.config import (
     check_logprobs_mode,
     check_positive,
     check_ray_installed,
+    media_config,
     parse_dtype,
     parse_head_dtype,
     parse_kv_cache_dtype,
@@ -197,6 +198,13 @@ class EngineArgs:
         "read from, symlinks resolved (default: the model directory's parent)",
         metavar="DIR",
     )
+    # vLLM's media flags (config.py media_config): a multimodal model's images
+    limit_mm_per_prompt: str | dict[str, Any] | None = arg(
+        None, 'most images per prompt, as JSON: {"image": N} (default 999)', metavar="JSON")
+    allowed_local_media_path: str | None = arg(
+        None, "a directory file:// image URLs may be read from (default: none)", metavar="DIR")
+    allowed_media_domains: list[str] | None = arg(
+        None, "domains http(s) image URLs may be fetched from (default: none)", metavar="HOST")
     enable_sleep_mode: bool = arg(
         False, "allow /sleep: offload or drop weights and free the KV cache"
     )
@@ -267,6 +275,8 @@ class EngineArgs:
             distributed_executor_backend=self._executor_backend(),
             logprobs_mode=check_logprobs_mode(self.logprobs_mode),
             allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
+            media=media_config(self.limit_mm_per_prompt, self.allowed_local_media_path,
+                               self.allowed_media_domains),  # fmt: skip
             worker_extension_cls=check_class_path(self.worker_extension_cls),
             enforce_eager=bool(self.enforce_eager),
             cpu_kernels=bool(self.cpu_kernels),

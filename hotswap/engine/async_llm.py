@@ -29,7 +29,7 @@ from hotswap.engine.prompts import (
     check_kv_retention,
     check_priority,
     check_prompt,
-    encode_prompt,
+    encode_with_images,
     is_session_id,
     prepare_params,
     prompt_cache_salt,
@@ -39,6 +39,7 @@ from hotswap.engine.verbs import Args, CollectiveRpc, LoadLoraAdapter, LoadWeigh
 from hotswap.engine_args import EngineArgs
 from hotswap.lora.loaded import LoadedAdapters
 from hotswap.lora.request import LoRARequest
+from hotswap.multimodal.prompt_images import PromptImages
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -74,6 +75,8 @@ class AsyncLLM:
         self.data_parallel_size = args.data_parallel_size
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.processor = OutputProcessor(self.tokenizer)
+        self.images = PromptImages.for_model(self.config.model.path, self.config.model.hf_config,
+                                             self.config.media)  # fmt: skip
         self.client = _engine_client(args, self.config, multiprocess, progress)
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}
@@ -153,7 +156,7 @@ class AsyncLLM:
     ) -> asyncio.Queue[RequestOutput | BaseException]:
         if request_id in self._streams:
             raise InvalidArgument("request_id", f"request_id: {request_id!r} is already in use")
-        text, ids = encode_prompt(self.tokenizer, prompt)
+        text, ids, images = encode_with_images(self.tokenizer, self.images, prompt)
         check_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
         params.check_prompt_length(len(ids))
         prepare_params(params, self.tokenizer, self.config.model.vocab_size)
@@ -171,6 +174,7 @@ class AsyncLLM:
                     time.monotonic(),
                     cache_salt=salt,
                     lora_name=lora_name,
+                    images=images,
                     **(hints or {}),
                 )
             )

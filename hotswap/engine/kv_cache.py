@@ -44,10 +44,14 @@ def hash_block(
     weight_version: int = 0,
     cache_salt: str | None = None,
     adapter_uid: int | None = None,
+    extra: bytes = b"",
 ) -> bytes:
+    """`extra`: what else the block's KV depends on (the images its tokens stand for)."""
     root = parent or root_hash(weight_version, cache_salt, adapter_uid)
     digest = hashlib.blake2b(root, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
+    if extra:
+        digest.update(b"|mm|" + extra)
     return digest.digest()
 
 
@@ -275,9 +279,9 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[start : start + size]
             adapter = request.lora.uid if request.lora is not None else None
-            hashes.append(
-                hash_block(parent, tokens, self.weight_version, request.cache_salt, adapter)
-            )
+            images = b"" if request.images is None else request.images.keys(start, start + size)
+            hashes.append(hash_block(parent, tokens, self.weight_version, request.cache_salt,
+                                     adapter, images))  # fmt: skip
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Blocks whose tokens will all be computed after this step can be shared now: the

@@ -13,12 +13,12 @@ from tqdm import tqdm
 
 from hotswap.engine.core import EngineCore
 from hotswap.engine.errors import EngineDeadError, InvalidArgument
-from hotswap.engine.messages import EngineCoreRequest
+from hotswap.engine.messages import EngineCoreRequest, ImageMsg
 from hotswap.engine.output_processor import OutputProcessor
 from hotswap.engine.prompts import (
     Prompt,
     check_priority,
-    encode_prompt,
+    encode_with_images,
     prepare_params,
     prompt_cache_salt,
 )
@@ -28,6 +28,7 @@ from hotswap.engine_args import EngineArgs
 from hotswap.execution.host_memory import return_freed_memory
 from hotswap.lora.loaded import LoadedAdapters
 from hotswap.lora.request import LoRARequest
+from hotswap.multimodal.prompt_images import PromptImages
 from hotswap.outputs import RequestOutput
 from hotswap.sampling_params import RequestOutputKind, SamplingParams
 from hotswap.tokenizer import Tokenizer
@@ -72,6 +73,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.engine = EngineCore(self.config, progress=progress)
         self.processor = OutputProcessor(self.tokenizer)
+        self.images = PromptImages.for_model(self.config.model.path, self.config.model.hf_config,
+                                             self.config.media)  # fmt: skip
         self._ids = itertools.count()
         self._loras = LoadedAdapters()
 
@@ -95,19 +98,19 @@ class LLM:
         loras = _as_lora_list(lora_request, len(prompt_list))
         for lora in {id(r): r for r in loras if r is not None}.values():
             self._ensure_loaded(lora)
-        requests = [encode_prompt(self.tokenizer, p) for p in prompt_list]
+        requests = [encode_with_images(self.tokenizer, self.images, p) for p in prompt_list]
         salts = [prompt_cache_salt(p) for p in prompt_list]
         names = [r.lora_name if r is not None else None for r in loras]
-        for (_, ids), params, name in zip(requests, params_list, names):
+        for (_, ids, images), params, name in zip(requests, params_list, names):
             prepare_params(params, self.tokenizer, self.engine.vocab_size)  # refuse bad
             self.engine.validate_request(  # input before adding any
-                EngineCoreRequest("validate", ids, params, lora_name=name)
+                EngineCoreRequest("validate", ids, params, lora_name=name, images=images)
             )
         order = []
-        for (text, ids), params, salt, name, rank in zip(
+        for (text, ids, images), params, salt, name, rank in zip(
             requests, params_list, salts, names, priorities
         ):
-            order.append(self._add(text, ids, params, salt, name, rank))
+            order.append(self._add(text, ids, params, salt, name, rank, images))
         return self._run(order, use_tqdm)
 
     def chat(
@@ -186,6 +189,7 @@ class LLM:
         salt: str | None,
         lora_name: str | None = None,
         priority: int = 0,
+        images: list[ImageMsg] | None = None,
     ) -> str:
         request_id = str(next(self._ids))
         params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -199,6 +203,7 @@ class LLM:
                     cache_salt=salt,
                     lora_name=lora_name,
                     priority=priority,
+                    images=images,
                 )
             )
         return request_id

@@ -13,6 +13,18 @@ from hotswap.engine.verbs import AnyArgs, verb_name
 from hotswap.sampling_params import SamplingParams
 
 
+class ImageMsg(msgspec.Struct, array_like=True):
+    """One processed image of a prompt: placeholder tokens [offset, offset + length),
+    its patches (float32, C order, [t * h * w, patch_dim]) and their grid."""
+
+    offset: int
+    length: int
+    content_hash: str
+    grid_thw: tuple[int, int, int]
+    patch_dim: int
+    pixels: bytes
+
+
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -27,6 +39,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     session_id: str | None = None
     data_parallel_rank: int | None = None
     kv_retention_s: float = 0.0  # keep its KV this long after it finishes (kv_cache.py)
+    images: list[ImageMsg] | None = None  # a multimodal model's prompt images, in order
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):

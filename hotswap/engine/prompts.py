@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from hotswap.engine.images import image_msgs
+from hotswap.engine.messages import ImageMsg
 from hotswap.errors import InvalidArgument
+from hotswap.multimodal.prompt_images import PromptImages, prompt_images
 from hotswap.sampling_params import SamplingParams, resolve_bad_words
 from hotswap.structured_output import check_grammar
 from hotswap.tokenizer import Tokenizer
@@ -38,6 +41,22 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt) -> tuple[str | None, lis
     if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         return None, list(prompt)
     raise InvalidArgument("prompt", f"prompt: unsupported type {type(prompt).__name__}")
+
+
+def encode_with_images(
+    tokenizer: Tokenizer, images: PromptImages | None, prompt: Prompt
+) -> tuple[str | None, list[int], list[ImageMsg] | None]:
+    """(text or None, token ids with image placeholders expanded, the images in wire
+    form or None): `encode_prompt` for a prompt that may carry `multi_modal_data`."""
+    text, ids = encode_prompt(tokenizer, prompt)
+    sources = prompt_images(prompt)
+    if not sources:
+        return text, ids, None
+    if images is None:
+        raise InvalidArgument("multi_modal_data", "multi_modal_data: this model does not "
+                              "take images")  # fmt: skip
+    ids, placed = images.place(ids, sources)
+    return text, ids, image_msgs(placed)
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from hotswap.lora.adapter import AdapterWeights
+from hotswap.multimodal.placement import ImagePlacement
 from hotswap.sampling_params import SamplingParams
 from hotswap.structured_output import GrammarMatcher
 
@@ -52,8 +53,11 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         kv_retention_s: float = 0.0,
+        images: ImagePlacement | None = None,
     ) -> None:
         self.request_id = request_id
+        # Its prompt's images (multimodal models): placeholders, pixels, M-RoPE positions
+        self.images = images
         # Seconds its blocks are kept after it finishes, for its session's next turn
         # (kv_cache.py: retention is soft)
         self.kv_retention_s = kv_retention_s

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from hotswap.config import EngineConfig
 from hotswap.engine.core_outputs import WeightVersion, finished_output, step_output
 from hotswap.engine.handlers import Outputs, handles
+from hotswap.engine.images import ImageModel
 from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
 from hotswap.engine.prompts import check_prompt
 from hotswap.engine.request import Request, RequestStatus
@@ -42,6 +43,7 @@ class RequestManager:
         self.runner = runner
         self.weights = weights
         self.vocab_size = config.model.vocab_size
+        self.image_model = ImageModel(config.model.hf_config)
         self.grammars = LazyGrammarCompiler(config.tokenizer or config.model.path, self.vocab_size)
 
     def validate(self, req: EngineCoreRequest) -> None:
@@ -53,6 +55,7 @@ class RequestManager:
         req.sampling_params.check_prompt_length(len(req.prompt_token_ids))
         if req.lora_name is not None:
             self.loras.resolve(req.lora_name, self.adapters_in_use())
+        self.image_model.placement(req.prompt_token_ids, req.images)
 
     def adapters_in_use(self) -> set[int]:
         """The adapter versions unfinished requests hold."""
@@ -69,6 +72,7 @@ class RequestManager:
             req.cache_salt,
             req.priority,
             req.kv_retention_s,
+            self.image_model.placement(req.prompt_token_ids, req.images),
         )
         request.lora = self.loras.resolve(req.lora_name, self.adapters_in_use())
         constraint = req.sampling_params.structured_outputs

@@ -20,6 +20,7 @@ from hotswap.execution.decode_paths import (
     watched_tensors,
 )
 from hotswap.execution.host_memory import return_freed_memory, reuse_freed_memory
+from hotswap.execution.image_inputs import ImageInputs
 from hotswap.execution.kernel_choice import choose_kernels
 from hotswap.execution.ranks import TensorParallelWorkers, on_every_rank
 from hotswap.execution.routed_experts import RoutedExpertsBuffer
@@ -119,6 +120,8 @@ class ModelRunner(RankWeights, RankShadow):
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         self.model.bind_kv_cache(self.kv_caches)
         self.routed_experts = self._routed_experts_buffer()
+        multimodal = getattr(self.model, "multimodal", False)
+        self.images = ImageInputs(self.model, self.device) if multimodal else None
         # on the bound cache, still unused
         self.compiled = compile_decode(config, self.model, self.kernels, self.tp.parallel, progress)
         self.graphs = decode_graphs(config, self.model, self.backend, self.staging,
@@ -174,6 +177,8 @@ class ModelRunner(RankWeights, RankShadow):
         """Drop every packed copy: the weights were (or may have been) written."""
         for holder in self.packed:
             holder.invalidate()
+        if self.images is not None:
+            self.images.clear()  # embeddings of the old vision tower
 
     # -- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -287,7 +292,7 @@ class ModelRunner(RankWeights, RankShadow):
             if logits is not None and self.routed_experts is not None:
                 self._read_routed_experts(items, inputs, out)  # the graph set them too
         if logits is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self._forward(batch, inputs)
             if self.routed_experts is not None:
                 self._read_routed_experts(items, inputs, out)
             if inputs.prompt_rows.rows:
@@ -301,6 +306,12 @@ class ModelRunner(RankWeights, RankShadow):
             if logprobs is not None:
                 out.logprobs[request.request_id] = logprobs
         return out
+
+    def _forward(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:
+        if batch.images is None or self.images is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        images = self.images.step(batch.images)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, images)
 
     def _inputs(self, batch: StepBatch) -> StepInputs:
         if self.staging is not None:  # the Triton backend: one upload

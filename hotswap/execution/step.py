@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from hotswap.lora.adapter import AdapterWeights
+from hotswap.multimodal.placement import ImagePlacement
 from hotswap.sampling_params import SamplingParams
 from hotswap.structured_output import GrammarMatcher
 
@@ -52,6 +53,8 @@ class StepRequest(SamplingRequest, Protocol):
     def lora(self) -> AdapterWeights | None: ...
     @property
     def routed_experts_start(self) -> int: ...
+    @property
+    def images(self) -> ImagePlacement | None: ...
 
 
 class ScheduledChunk(Protocol):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hotswap.execution.step import ScheduledChunk, StepRequest
 from hotswap.model.attention import build_metadata
+from hotswap.multimodal.placement import PlacedImage
 
 
 @dataclass
@@ -33,6 +35,17 @@ class StepBatch:
     context_lens: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)
     prompt_rows: PromptLogprobRows = field(default_factory=PromptLogprobRows)
+    images: ImageRows | None = None  # where a request with images is in the step
+
+
+@dataclass
+class ImageRows:
+    """A step with image-bearing requests: every row's M-RoPE positions (one [3, n] array
+    per request, in row order) and, per image placeholder run in the step, (first row,
+    image, its embeddings' rows [lo, hi))."""
+
+    rope_positions: list[np.ndarray] = field(default_factory=list)
+    slices: list[tuple[int, PlacedImage, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -47,10 +60,14 @@ class StepInputs:
 def plan_batch(items: list[ScheduledChunk], block_size: int) -> StepBatch:
     batch = StepBatch()
     size = block_size
+    if any(item.request.images is not None for item in items):
+        batch.images = ImageRows()
     for item in items:
         request, start, end = item.request, item.start, item.start + item.num_tokens
         if request.needs_prompt_logprobs:
             _plan_prompt_rows(batch.prompt_rows, request, start, end, len(batch.input_ids))
+        if batch.images is not None:
+            _plan_images(batch.images, request, start, end, len(batch.input_ids))
         batch.input_ids.extend(request.all_token_ids[start:end])
         batch.positions.extend(range(start, end))
         blocks = request.block_ids
@@ -103,3 +120,16 @@ def _plan_prompt_rows(
         plan.targets.append(request.all_token_ids[position + 1])
         plan.ks.append(k)
         plan.request_ids.append(request.request_id)
+
+
+def _plan_images(plan: ImageRows, request: StepRequest, start: int, end: int,
+                 first_row: int) -> None:  # fmt: skip
+    """Tokens [start, end)'s positions on the three axes and the image rows among them."""
+    placement = request.images
+    if placement is None:  # a text-only request beside image ones: equal axes
+        plan.rope_positions.append(np.broadcast_to(np.arange(start, end), (3, end - start)))
+        return
+    plan.rope_positions.append(placement.rope_positions(start, end))
+    for image in placement.overlapping(start, end):
+        lo, hi = max(start, image.offset), min(end, image.end)
+        plan.slices.append((first_row + lo - start, image, lo - image.offset, hi - image.offset))

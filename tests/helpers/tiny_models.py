@@ -23,7 +23,10 @@ CHATML = (
 )
 
 
-def write_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
+def write_tokenizer(
+    out_dir: Path, vocab_size: int = 384, extra_special: tuple[str, ...] = (),
+    chat_template: str = CHATML,
+) -> None:  # fmt: skip
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -31,7 +34,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([CORPUS], trainer)
@@ -42,7 +45,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int = 384) -> None:
         "eos_token": "<|im_end|>",
         "pad_token": "<|im_end|>",
         "unk_token": "<|endoftext|>",
-        "chat_template": CHATML,
+        "chat_template": chat_template,
         "model_max_length": 512,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config))

@@ -237,9 +237,17 @@ class DecoderModel(nn.Module):
         self.dtype = dtype
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`embeds`: (rows, values) taking the place of those rows' token embeddings (a
+        multimodal model's image tokens); `positions` may then be [3, rows] (M-RoPE)."""
         x = vocab_embedding(input_ids, self.embed_tokens, self.vocab_size, self.tp).to(self.dtype)
+        if embeds is not None and embeds[0] is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.layers:

@@ -10,6 +10,7 @@ from hotswap.model.models.moe import (
     Qwen3MoeForCausalLM,
 )
 from hotswap.model.models.qwen2 import Qwen2ForCausalLM
+from hotswap.model.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration
 from hotswap.model.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 
 

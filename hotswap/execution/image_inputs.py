@@ -1,0 +1,68 @@
+"""A multimodal model's step inputs: each row's M-RoPE positions and the image rows'
+embeddings, from the vision tower, cached by image content."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from hotswap.execution.step_inputs import ImageRows
+from hotswap.model.models.qwen2_vl import ImageStep
+from hotswap.multimodal.placement import PlacedImage
+
+# Images whose embeddings are kept (least recently used first out). A request's image is
+# read by every chunk of its prefill and again by a recompute (preemption, clear_cache),
+# so an image is encoded once while its requests run, unless this many others came since.
+ENCODER_CACHE_IMAGES = 256
+
+
+class ImageInputs:
+    """The runner's multimodal part. Cached embeddings are those of the weights loaded
+    now: `clear` on every weight change (a recompute after a round re-encodes)."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.encoded_images = 0  # how many images the tower has encoded (tests, metrics)
+
+    def clear(self) -> None:
+        self.cache.clear()
+
+    def step(self, plan: ImageRows) -> ImageStep:
+        """The model's `images` argument for a step."""
+        rope = np.concatenate(plan.rope_positions, axis=1)
+        rope_positions = torch.from_numpy(np.ascontiguousarray(rope)).to(self.device)
+        if not plan.slices:
+            return ImageStep(rope_positions)
+        embeds = self._embeddings([image for _, image, _, _ in plan.slices])
+        rows = [torch.arange(row, row + hi - lo) for row, _, lo, hi in plan.slices]
+        values = [embeds[image.content_hash][lo:hi] for _, image, lo, hi in plan.slices]
+        return ImageStep(rope_positions, torch.cat(rows).to(self.device), torch.cat(values))
+
+    def _embeddings(self, images: list[PlacedImage]) -> dict[str, torch.Tensor]:
+        """Each image's embeddings by content hash; the uncached ones encoded in one call
+        of the tower (images of different sizes together)."""
+        found: dict[str, torch.Tensor] = {}
+        missing: dict[str, PlacedImage] = {}
+        for image in images:
+            key = image.content_hash
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                found[key] = self.cache[key]
+            elif key not in found:
+                missing[key] = image
+        if missing:
+            todo = list(missing.values())
+            pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in todo]))
+            pixels = pixels.to(self.device)
+            encoded = self.model.encode_images(pixels, [i.grid_thw for i in todo])
+            self.encoded_images += len(todo)
+            for image, embeds in zip(todo, encoded):
+                found[image.content_hash] = self.cache[image.content_hash] = embeds
+        while len(self.cache) > ENCODER_CACHE_IMAGES:
+            self.cache.popitem(last=False)
+        return found

@@ -1,0 +1,149 @@
+"""Qwen2.5-VL: the Qwen2 decoder reading images. A vision tower (vision.py) turns each
+image's patches into embeddings that take the place of the image's placeholder tokens in
+the prompt, and the decoder's rotary positions are three-dimensional (M-RoPE): an image
+token's (time, row, column), a text token's its index shifted past the images before it,
+the same on all three axes.
+
+The runner gives a step the positions as three rows (`ImageStep.rope_positions`) and the
+image rows' embeddings; a step with none (a text-only request) reads `positions` as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hotswap.model.attention import AttentionBackend, AttentionMetadata
+from hotswap.model.layers import RopeTable, RotaryEmbedding
+from hotswap.model.models.qwen2 import Qwen2ForCausalLM
+from hotswap.model.models.vision import Qwen2_5VisionTower
+from hotswap.model.parallel import TPGroup
+
+# Checkpoint prefixes: transformers 5's module names (what a trainer's named_parameters()
+# gives) -> the original checkpoints' (what the model's parameters are named after).
+_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+@dataclass
+class ImageStep:
+    """A step's multimodal inputs: every row's rotary positions [3, rows], and the rows
+    that are image tokens with their embeddings (from the vision tower)."""
+
+    rope_positions: torch.Tensor
+    image_rows: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """M-RoPE: frequency j rotates by the position on axis `axis[j]` (the config's
+    `mrope_section`: how many frequencies each of time, row and column takes, in order).
+    With the three positions equal it is plain RoPE, bit for bit: the same table entries."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any],
+                 section: Sequence[int]) -> None:  # fmt: skip
+        super().__init__(head_dim, max_positions, rope)
+        if len(section) != 3 or sum(section) != head_dim // 2:
+            raise ValueError(
+                f"config.json: rope_parameters.mrope_section {list(section)} must be three "
+                f"sizes summing to head_dim / 2 ({head_dim // 2})"
+            )
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)))
+        self.register_buffer("axis", axis, persistent=False)
+        self.register_buffer("columns", torch.arange(head_dim // 2), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
+        if positions.dim() == 1:
+            return super().forward(positions, dtype)
+        rows = positions[self.axis].T  # [tokens, head_dim / 2]: each frequency's position
+        cos = self.cos[rows, self.columns].repeat(1, 2)[:, None, :].to(dtype)
+        sin = self.sin[rows, self.columns].repeat(1, 2)[:, None, :].to(dtype)
+        return cos, sin
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
+    compilable = False  # decode steps read three-row positions: eager steps only (for now)
+    tensor_parallel = False  # the vision tower is not split across ranks (yet)
+    multimodal = True
+
+    @property
+    def graphable(self) -> bool:
+        return False
+
+    def __init__(
+        self,
+        hf_config: dict[str, Any],
+        dtype: torch.dtype,
+        backend: AttentionBackend,
+        batch_invariant: bool = False,
+        head_dtype: torch.dtype | None = None,
+        tp: TPGroup | None = None,
+    ) -> None:
+        rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+        section = rope.pop("mrope_section", None)
+        if rope.get("rope_type", rope.get("type")) == "mrope":
+            rope.pop("type", None)
+            rope["rope_type"] = "default"
+        text = {**hf_config, "rope_parameters": rope, "rope_scaling": None}
+        super().__init__(text, dtype, backend, batch_invariant, head_dtype, tp)
+        spec = self.spec
+        if section is None:
+            raise ValueError("config.json: rope_parameters.mrope_section is missing")
+        self.model.rotary = MRotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope,
+                                             section)  # fmt: skip
+        self.visual = Qwen2_5VisionTower(hf_config["vision_config"], dtype)
+        self.image_token_id = int(hf_config["image_token_id"])
+        self.merge_size = self.visual.spec.spatial_merge_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        images: ImageStep | None = None,
+    ) -> torch.Tensor:
+        if images is None:
+            return self.model(input_ids, positions, meta)
+        return self.model(input_ids, images.rope_positions, meta,
+                          (images.image_rows, images.image_embeds))  # fmt: skip
+
+    def encode_images(
+        self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> list[torch.Tensor]:
+        """Each image's embeddings [tokens, hidden], from its patches (all images' patches
+        in one tensor, image after image)."""
+        embeds = self.visual(pixel_values.to(self.visual.dtype), grids)
+        sizes = [t * h * w // self.merge_size**2 for t, h, w in grids]
+        return list(embeds.to(self.model.dtype).split(sizes))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        text: list[tuple[str, torch.Tensor]] = []
+        vision: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in weights:
+            name = checkpoint_name(name)
+            if name.startswith("visual."):
+                vision.append((name[len("visual.") :], tensor))
+            else:
+                text.append((name, tensor))
+        loaded = super().load_weights(text)
+        return loaded | {f"visual.{n}" for n in self.visual.load_weights(vision)}
+
+    def _map_name(self, name: str) -> tuple[str, Any] | None:
+        name = checkpoint_name(name)
+        if name.startswith("visual."):  # the tower's parameters carry the checkpoint's names
+            return name, None
+        return super()._map_name(name)
+
+    def _list_expected_keys(self) -> set[str]:
+        keys = {k for k in super()._list_expected_keys() if not k.startswith("visual.")}
+        return keys | {f"visual.{k}" for k in self.visual.expected_checkpoint_keys()}
+
+
+def checkpoint_name(name: str) -> str:
+    """A tensor's name as the original checkpoints spell it."""
+    for new, old in _PREFIXES:
+        if name.startswith(new):
+            return old + name[len(new) :]
+    return name
