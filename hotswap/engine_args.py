@@ -200,11 +200,14 @@ class EngineArgs:
     )
     # vLLM's media flags (config.py media_config): a multimodal model's images
     limit_mm_per_prompt: str | dict[str, Any] | None = arg(
-        None, 'most images per prompt, as JSON: {"image": N} (default 999)', metavar="JSON")
+        None, 'most images per prompt, as JSON: {"image": N} (default 999)', metavar="JSON"
+    )
     allowed_local_media_path: str | None = arg(
-        None, "a directory file:// image URLs may be read from (default: none)", metavar="DIR")
+        None, "a directory file:// image URLs may be read from (default: none)", metavar="DIR"
+    )
     allowed_media_domains: list[str] | None = arg(
-        None, "domains http(s) image URLs may be fetched from (default: none)", metavar="HOST")
+        None, "domains http(s) image URLs may be fetched from (default: none)", metavar="HOST"
+    )
     enable_sleep_mode: bool = arg(
         False, "allow /sleep: offload or drop weights and free the KV cache"
     )
@@ -275,8 +278,9 @@ class EngineArgs:
             distributed_executor_backend=self._executor_backend(),
             logprobs_mode=check_logprobs_mode(self.logprobs_mode),
             allowed_weight_dirs=allowed_weight_dirs(self.allowed_weight_dirs, model_dir),
-            media=media_config(self.limit_mm_per_prompt, self.allowed_local_media_path,
-                               self.allowed_media_domains),  # fmt: skip
+            media=media_config(
+                self.limit_mm_per_prompt, self.allowed_local_media_path, self.allowed_media_domains
+            ),  # fmt: skip
             worker_extension_cls=check_class_path(self.worker_extension_cls),
             enforce_eager=bool(self.enforce_eager),
             cpu_kernels=bool(self.cpu_kernels),

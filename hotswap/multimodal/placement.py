@@ -53,7 +53,7 @@ class ImagePlacement:
     def rope_positions(self, start: int, end: int) -> np.ndarray:
         """Positions [3, end - start] of tokens [start, end)."""
         prompt = self.prompt_positions.shape[1]
-        head = self.prompt_positions[:, start:min(end, prompt)]
+        head = self.prompt_positions[:, start : min(end, prompt)]
         if end <= prompt:
             return head
         tail = np.arange(max(start, prompt), end, dtype=np.int64) + self.delta

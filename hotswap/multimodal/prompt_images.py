@@ -9,9 +9,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from hotswap.multimodal.images import ImageProcessorConfig, load_image, process_image
-
 from hotswap.errors import InvalidArgument
+from hotswap.multimodal.images import (
+    ImageProcessorConfig,
+    ProcessedImage,
+    load_image,
+    process_image,
+)
 from hotswap.multimodal.placement import PlacedImage, expand_placeholders
 
 FIELD = "multi_modal_data"
@@ -52,22 +56,36 @@ class PromptImages:
             return None
         return cls(model_dir, hf_config, media)
 
-    def place(self, ids: Sequence[int], sources: Sequence[Any],
-              field: str = FIELD) -> tuple[list[int], list[PlacedImage]]:  # fmt: skip
+    def place(
+        self,
+        ids: Sequence[int],
+        sources: Sequence[Any],
+        field: str = FIELD,
+        fields: Sequence[str] | None = None,
+    ) -> tuple[list[int], list[PlacedImage]]:
         """The prompt's ids with each image's placeholder expanded, and the images placed
-        there; InvalidArgument naming the field for a bad image or too many of them."""
-        limit = self.media.limit_images
-        if len(sources) > limit:
-            raise InvalidArgument(field, f"{field}: {len(sources)} images, at most {limit} "
-                                  f"per prompt (--limit-mm-per-prompt)")  # fmt: skip
-        processed = [process_image(self.load(source, f"{field}.image[{i}]"), self.processor)
-                     for i, source in enumerate(sources)]  # fmt: skip
+        there; InvalidArgument naming the field (an image's own: `fields[i]`) for a bad
+        image or too many of them. A source may be an image already processed."""
+        self.check_count(len(sources), field)
+        fields = fields or [f"{field}.image[{i}]" for i in range(len(sources))]
+        processed = [self.process(source, name) for source, name in zip(sources, fields)]
         lengths = [image.num_tokens for image in processed]
         expanded, offsets = expand_placeholders(ids, self.token_id, lengths, field)
         placed = [PlacedImage(offset, image.num_tokens, image.content_hash, image.grid_thw,
                               image.pixel_values)
                   for offset, image in zip(offsets, processed)]  # fmt: skip
         return expanded, placed
+
+    def check_count(self, count: int, field: str) -> None:
+        limit = self.media.limit_images
+        if count > limit:
+            raise InvalidArgument(field, f"{field}: {count} images, at most {limit} per "
+                                  f"prompt (--limit-mm-per-prompt)")  # fmt: skip
+
+    def process(self, source: Any, field: str) -> ProcessedImage:
+        if isinstance(source, ProcessedImage):
+            return source
+        return process_image(self.load(source, field), self.processor, field=field)
 
     def load(self, source: Any, field: str) -> Any:
         """One image (a PIL image, bytes or a URL) under the server's media rules."""

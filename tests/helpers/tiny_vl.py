@@ -43,14 +43,36 @@ def write_tiny_vl_model(out_dir: Path, seed: int = 0) -> Path:
     tok = json.loads((out_dir / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
     vocab = len(tok["model"]["vocab"])
-    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.1,
-                rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
-                  patch_size=14, spatial_merge_size=2, window_size=56,
-                  fullatt_block_indexes=[1], temporal_patch_size=2, initializer_range=0.1)
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        initializer_range=0.1,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=14,
+        spatial_merge_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+        temporal_patch_size=2,
+        initializer_range=0.1,
+    )
     config = transformers.Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],

@@ -29,6 +29,7 @@ from hotswap.entrypoints.openai.params import (
     completion_max_tokens,
     max_tokens_param,
     model_name,
+    place_images,
     prepare_prompt,
     sampling_params,
 )
@@ -168,13 +169,26 @@ def render_chat(engine: AsyncLLM, body: ChatCompletionRequest) -> EnginePrompt:
         tools=tool_dicts(body),
         template_kwargs=body.chat_template_kwargs,
     )
-    return prepare_prompt(
+    prompt = prepare_prompt(
         engine,
         text,
         add_special_tokens=body.add_special_tokens,
         truncate=body.truncate_prompt_tokens,
         param="body.messages",
     )
+    sources = chat_images(body.messages)
+    return place_images(engine, prompt, sources, "messages") if sources else prompt
+
+
+def chat_images(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(field, url) of each image part, in the conversation's order."""
+    found = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") == "image":
+                found.append((f"messages[{i}].content[{j}].image_url", part["image_url"]["url"]))
+    return found
 
 
 def apply_template(

@@ -22,7 +22,7 @@ from hotswap.engine.async_llm import AsyncLLM
 from hotswap.engine.prompts import check_prompt, prepare_params
 from hotswap.entrypoints.openai.chat_tools import gate_constraint_after_thinking
 from hotswap.entrypoints.openai.generate_protocol import GenerateRequest, GenerateSamplingParams
-from hotswap.entrypoints.openai.params import EnginePrompt, sampling_params
+from hotswap.entrypoints.openai.params import EnginePrompt, place_images, sampling_params
 from hotswap.entrypoints.openai.parsers import REASONING_PARSERS
 from hotswap.entrypoints.openai.protocol import SamplingRequest
 from hotswap.entrypoints.server.default_only import DefaultOnly, Only, check_default_only
@@ -43,7 +43,6 @@ _REFUSAL = "{name}: {why} is not supported by hotswap"
 BODY_DEFAULT_ONLY = DefaultOnly(
     {
         "features": Only(why="multimodal inputs"),
-        "content_parts": Only((None, []), "multimodal inputs"),
         "kv_transfer_params": Only(why="KV transfer"),
         "ec_transfer_params": Only(why="encoder-cache transfer"),
     },
@@ -170,7 +169,26 @@ def generate_prompt(engine: AsyncLLM, body: GenerateRequest) -> EnginePrompt:
     prompt = EnginePrompt(None, ids, body.cache_salt)
     if body.sampling_params.skip_reading_prefix_cache:
         prompt.cache_salt = f"{body.cache_salt or ''}#skip-{uuid.uuid4().hex}"
-    return prompt
+    sources = content_part_images(body.content_parts or [])
+    return place_images(engine, prompt, sources, "content_parts") if sources else prompt
+
+
+def content_part_images(parts: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(field, url) of each of vLLM's `content_parts` ({"type": "image_url", "url": ...};
+    the chat form {"image_url": {"url": ...}} too); 400 for other media."""
+    found = []
+    for i, part in enumerate(parts):
+        field = f"content_parts[{i}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "image_url":
+            raise bad_request(f"{field}.type: {kind!r} is not supported (image_url only)",
+                              f"body.{field}.type")  # fmt: skip
+        url = part.get("url", part.get("image_url"))
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise bad_request(f"{field}.url: must be a string", f"body.{field}.url")
+        found.append((field, url))
+    return found
 
 
 def gate_after_thinking(

@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fastapi import Request, Response
 
@@ -88,6 +89,8 @@ class GenerateContext:
     cached_details: bool
     created: int
     tokenizer: Tokenizer
+    # vLLM's mm_placeholders, with return_token_ids: {"image": [{"offset", "length"}]}
+    mm_placeholders: dict[str, Any] | None = None
 
     @property
     def text_mode(self) -> bool:
@@ -122,6 +125,9 @@ async def create_generate(body: GenerateRequest, request: Request) -> Response:
         created=int(time.time()),
         tokenizer=engine.tokenizer,
     )
+    if prompt.placeholders and body.return_token_ids:
+        ranges = [{"offset": offset, "length": length} for offset, length in prompt.placeholders]
+        ctx.mm_placeholders = {"image": ranges}
     stream = MergedStream(engine, [prompt], params, [ctx.request_id])
     await stream.start()
     headers = {"X-Request-Id": ctx.request_id}
@@ -148,6 +154,7 @@ def generate_response(ctx: GenerateContext, final: RequestOutput) -> GenerateRes
         usage=_usage(len(final.prompt_token_ids), completion, cached),
         prompt_logprobs=prompt_logprobs_info(final.prompt_logprobs),
         prompt_token_ids=list(final.prompt_token_ids) if ctx.body.return_token_ids else None,
+        mm_placeholders=ctx.mm_placeholders,
         output_mode=ctx.body.output_mode,
         choices=choices,
     )
@@ -374,6 +381,7 @@ async def stream_generate(ctx: GenerateContext, stream: MergedStream) -> AsyncIt
                             list(output.prompt_token_ids),
                             False,
                         )
+                        chunk.mm_placeholders = ctx.mm_placeholders
                     if continuous:
                         chunk.usage = _usage(prompt_len, state.num_tokens, None)
                     yield _event(chunk)

@@ -8,7 +8,7 @@ import inspect
 import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -31,6 +31,7 @@ from hotswap.entrypoints.server.sampling import build_sampling_params
 from hotswap.entrypoints.server.state import get_engine, get_lora_ids, get_server_config
 from hotswap.errors import InvalidArgument
 from hotswap.lora.request import LoRARequest
+from hotswap.multimodal.images import ProcessedImage
 from hotswap.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -67,11 +68,16 @@ class EnginePrompt:
     routing: Routing = Routing()  # which data-parallel rank (server/routing.py)
     priority: int = 0  # the body's `priority` (--scheduling-policy priority)
     kv_retention_s: float = 0.0  # keep its KV after it finishes (engine/kv_cache.py)
+    # its images, processed, their placeholders in `token_ids` expanded (multimodal models)
+    images: list[ProcessedImage] | None = None
+    placeholders: list[tuple[int, int]] | None = None  # each image's (offset, length)
 
     def as_input(self) -> dict[str, Any]:
-        prompt = {"prompt_token_ids": self.token_ids, "prompt": self.text}
+        prompt: dict[str, Any] = {"prompt_token_ids": self.token_ids, "prompt": self.text}
         if self.cache_salt is not None:
             prompt["cache_salt"] = self.cache_salt
+        if self.images:
+            prompt["multi_modal_data"] = {"image": self.images}
         return prompt
 
 
@@ -312,6 +318,29 @@ def prepare_prompt(
     except ValueError as e:
         raise bad_request(str(e), param) from None
     return EnginePrompt(text, ids)
+
+
+def place_images(engine: AsyncLLM, prompt: EnginePrompt, sources: list[tuple[str, str]],
+                 field: str) -> EnginePrompt:  # fmt: skip
+    """The prompt with its images ((field, url) each) loaded and processed and their
+    placeholders expanded once (the engine then keeps them as they are); 400 naming the
+    image's field, or `field` (the body's, that holds them all), when refused."""
+    if engine.images is None:
+        raise bad_request(f"{sources[0][0]}: this model does not take images",
+                          f"body.{sources[0][0]}")  # fmt: skip
+    fields = [field for field, _ in sources]
+    try:
+        engine.images.check_count(len(sources), field)
+        images = [engine.images.process(url, name) for name, url in sources]
+        ids, placed = engine.images.place(prompt.token_ids, images, field, fields)
+    except InvalidArgument as e:
+        raise bad_request(str(e), f"body.{e.field}") from None
+    try:
+        check_prompt(ids, engine.config.model.vocab_size, engine.config.scheduler.max_model_len)
+    except ValueError as e:
+        raise bad_request(str(e), f"body.{field}") from None
+    ranges = [(image.offset, image.length) for image in placed]
+    return replace(prompt, token_ids=ids, images=images, placeholders=ranges)
 
 
 def check_context_length(

@@ -308,6 +308,9 @@ def normalize_messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _normalize_message(index: int, message: Any) -> dict[str, Any]:
+    """Text parts are joined into one string, as vLLM does; a message with images keeps
+    its parts in order, each image as {"type": "image", "image_url": {"url": ...}} (the
+    type chat templates test for; the server reads the url)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"message {index}: must be an object with a string 'role'")
     content = message.get("content")
@@ -315,15 +318,24 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
         return dict(message)
     if not isinstance(content, list):
         raise ValueError(f"message {index}: content must be a string or a list of parts")
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text" and "text" in part:
-            texts.append(str(part["text"]))
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise ValueError(
-                f"message {index}: content part of type {kind!r} is not supported (text only)"
-            )
-    return {**message, "content": "\n".join(texts)}
+    parts = [_normalize_part(index, part) for part in content]
+    if any(part["type"] == "image" for part in parts):
+        return {**message, "content": parts}
+    return {**message, "content": "\n".join(part["text"] for part in parts)}
+
+
+def _normalize_part(index: int, part: Any) -> dict[str, Any]:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    if kind == "text" and "text" in part:
+        return {"type": "text", "text": str(part["text"])}
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise ValueError(f"message {index}: an image_url part needs image_url.url, a string")
+        return {"type": "image", "image_url": {"url": url}}
+    raise ValueError(
+        f"message {index}: content part of type {kind!r} is not supported (text, image_url)"
+    )

@@ -15,6 +15,7 @@ from hotswap.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hotswap.entrypoints.openai.render import render_chat_completion
 from hotswap.entrypoints.openai.responses import DetokenizeResponse, ModelList, TokenizeResponse
 from hotswap.entrypoints.openai.tokenization import detokenize, list_models, tokenize
 
@@ -34,6 +35,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @openai_router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     return await create_chat_completion(body, request)
+
+
+@openai_router.post("/v1/chat/completions/render")
+async def chat_completions_render(body: ChatCompletionRequest, request: Request) -> dict:
+    """vLLM's render route: the request's token ids and image placements, not run."""
+    return await render_chat_completion(body, request)
 
 
 @openai_router.post("/tokenize")
