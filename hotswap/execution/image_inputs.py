@@ -59,10 +59,21 @@ class ImageInputs:
             todo = list(missing.values())
             pixels = torch.from_numpy(np.concatenate([i.pixel_values for i in todo]))
             pixels = pixels.to(self.device)
-            encoded = self.model.encode_images(pixels, [i.grid_thw for i in todo])
+            encoded = self._encode(pixels, [i.grid_thw for i in todo])
             self.encoded_images += len(todo)
             for image, embeds in zip(todo, encoded):
                 found[image.content_hash] = self.cache[image.content_hash] = embeds
         while len(self.cache) > ENCODER_CACHE_IMAGES:
             self.cache.popitem(last=False)
         return found
+
+    def _encode(
+        self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]
+    ) -> list[torch.Tensor]:
+        """In batch-invariant mode one image at a time: an image's embeddings are then the
+        same bits whichever images came with it (the tower's products batch patches)."""
+        if not getattr(self.model, "batch_invariant", False):
+            return self.model.encode_images(pixels, grids)
+        sizes = [t * h * w for t, h, w in grids]
+        return [self.model.encode_images(part, [grid])[0]
+                for part, grid in zip(pixels.split(sizes), grids)]  # fmt: skip
