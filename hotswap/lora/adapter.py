@@ -308,6 +308,11 @@ def _target(model: Any, module: str) -> tuple[str, tuple[int, ...], int]:
             "lora_path", f"{WEIGHTS_FILE}: {module} is a routed expert; adapters on a "
             "mixture of experts may target attention, shared experts and dense layers"
         )  # fmt: skip
+    if param.startswith("visual."):
+        raise InvalidArgument(
+            "lora_path", f"{WEIGHTS_FILE}: {module} is in the vision tower; adapters may "
+            "target the language model's layers"
+        )  # fmt: skip
     return param.removesuffix(".weight"), shape, int(shard or 0)
 
 
