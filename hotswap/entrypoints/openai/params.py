@@ -326,8 +326,7 @@ def place_images(engine: AsyncLLM, prompt: EnginePrompt, sources: list[tuple[str
     placeholders expanded once (the engine then keeps them as they are); 400 naming the
     image's field, or `field` (the body's, that holds them all), when refused."""
     if engine.images is None:
-        raise bad_request(f"{sources[0][0]}: this model does not take images",
-                          f"body.{sources[0][0]}")  # fmt: skip
+        raise bad_request(f"{field}: this model does not take images", f"body.{field}")
     fields = [field for field, _ in sources]
     try:
         engine.images.check_count(len(sources), field)
