@@ -4,6 +4,7 @@ Each module holds this rank's share under tensor parallelism (sharding.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -241,15 +242,35 @@ class DecoderModel(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        images: ImageEmbeds | None = None,
     ) -> torch.Tensor:
-        """`embeds`: (rows, values) taking the place of those rows' token embeddings (a
-        multimodal model's image tokens); `positions` may then be [3, rows] (M-RoPE)."""
+        """`images`: rows whose token embeddings an image's take the place of (and whose
+        stream takes deepstack features after the first layers); `positions` may then be
+        [3, rows] (M-RoPE)."""
         x = vocab_embedding(input_ids, self.embed_tokens, self.vocab_size, self.tp).to(self.dtype)
-        if embeds is not None and embeds[0] is not None:
-            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
+        if images is not None:
+            x = x.index_copy(0, images.rows, images.values.to(x.dtype))
         rope = self.rotary(positions, x.dtype)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(rope, x, residual, meta)
+            if images is not None and i < len(images.deepstack):
+                # the stream is x + residual (summed in the next norm): added to x
+                x = x.index_add(0, images.rows, images.deepstack[i].to(x.dtype))
         return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+
+
+@dataclass
+class ImageEmbeds:
+    """Image rows of a step: their embeddings, and per early layer the vision tower's
+    deepstack features added to their stream after it (Qwen3-VL; none for Qwen2.5-VL)."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, packed: torch.Tensor, hidden: int) -> ImageEmbeds:
+        """From rows' packed embeddings [rows, hidden * (1 + deepstack layers)]."""
+        parts = list(packed.split(hidden, dim=-1))
+        return cls(rows, parts[0], parts[1:])

@@ -1,8 +1,9 @@
-"""Qwen2.5-VL: the Qwen2 decoder reading images. A vision tower (vision.py) turns each
-image's patches into embeddings that take the place of the image's placeholder tokens in
-the prompt, and the decoder's rotary positions are three-dimensional (M-RoPE): an image
-token's (time, row, column), a text token's its index shifted past the images before it,
-the same on all three axes.
+"""Qwen vision-language models: a Qwen decoder reading images. A vision tower (vision.py,
+vision_qwen3.py) turns each image's patches into embeddings that take the place of the
+image's placeholder tokens in the prompt, and the decoder's rotary positions are
+three-dimensional (M-RoPE): an image token's (time, row, column), a text token's its index
+shifted past the images before it, the same on all three axes. Qwen3-VL also adds the
+tower's intermediate features ("deepstack") to the image rows after its first layers.
 
 The runner gives a step the positions as three rows (`ImageStep.rope_positions`) and the
 image rows' embeddings; a step with none (a text-only request) reads `positions` as usual.
@@ -15,10 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from hotswap.model.attention import AttentionBackend, AttentionMetadata
 from hotswap.model.layers import RopeTable, RotaryEmbedding
+from hotswap.model.models.decoder import ImageEmbeds
 from hotswap.model.models.qwen2 import Qwen2ForCausalLM
+from hotswap.model.models.qwen3 import Qwen3ForCausalLM
 from hotswap.model.models.vision import Qwen2_5VisionTower
 from hotswap.model.parallel import TPGroup
 
@@ -30,7 +34,8 @@ _PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 @dataclass
 class ImageStep:
     """A step's multimodal inputs: every row's rotary positions [3, rows], and the rows
-    that are image tokens with their embeddings (from the vision tower)."""
+    that are image tokens with their embeddings (from the vision tower; with deepstack
+    features, those follow each row's embedding: [rows, hidden * (1 + layers)])."""
 
     rope_positions: torch.Tensor
     image_rows: torch.Tensor | None = None
@@ -38,21 +43,29 @@ class ImageStep:
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """M-RoPE: frequency j rotates by the position on axis `axis[j]` (the config's
-    `mrope_section`: how many frequencies each of time, row and column takes, in order).
-    With the three positions equal it is plain RoPE, bit for bit: the same table entries."""
+    """M-RoPE: frequency j rotates by the position on axis `axis[j]`. `section`: how many
+    frequencies each of time, row and column takes: in three blocks, in order (Qwen2.5-VL),
+    or `interleaved` (Qwen3-VL: t, h, w, t, h, w, ... while each axis has some left, then
+    time). With the three positions equal it is plain RoPE, bit for bit."""
 
     def __init__(self, head_dim: int, max_positions: int, rope: dict[str, Any],
-                 section: Sequence[int]) -> None:  # fmt: skip
+                 section: Sequence[int], interleaved: bool = False) -> None:  # fmt: skip
         super().__init__(head_dim, max_positions, rope)
-        if len(section) != 3 or sum(section) != head_dim // 2:
+        half = head_dim // 2
+        if len(section) != 3 or sum(section) != half:
             raise ValueError(
                 f"config.json: rope_parameters.mrope_section {list(section)} must be three "
-                f"sizes summing to head_dim / 2 ({head_dim // 2})"
+                f"sizes summing to head_dim / 2 ({half})"
             )
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)))
+        if interleaved:
+            j = torch.arange(half)
+            axis = torch.zeros(half, dtype=torch.long)
+            axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+            axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+        else:
+            axis = torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)))
         self.register_buffer("axis", axis, persistent=False)
-        self.register_buffer("columns", torch.arange(head_dim // 2), persistent=False)
+        self.register_buffer("columns", torch.arange(half), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
         if positions.dim() == 1:
@@ -63,10 +76,14 @@ class MRotaryEmbedding(RotaryEmbedding):
         return cos, sin
 
 
-class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
+class VisionLanguage:
+    """What a Qwen vision-language model adds to its decoder class (mixed in first)."""
+
     compilable = False  # decode steps read three-row positions: eager steps only (for now)
     tensor_parallel = False  # the vision tower is not split across ranks (yet)
     multimodal = True
+    tower_class: type[nn.Module] = Qwen2_5VisionTower
+    interleaved_mrope = False
 
     @property
     def graphable(self) -> bool:
@@ -83,18 +100,18 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     ) -> None:
         rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
         section = rope.pop("mrope_section", None)
+        rope.pop("mrope_interleaved", None)
         if rope.get("rope_type", rope.get("type")) == "mrope":
             rope.pop("type", None)
             rope["rope_type"] = "default"
         text = {**hf_config, "rope_parameters": rope, "rope_scaling": None}
-        super().__init__(text, dtype, backend, batch_invariant, head_dtype, tp)
+        super().__init__(text, dtype, backend, batch_invariant, head_dtype, tp)  # type: ignore[call-arg]
         spec = self.spec
         if section is None:
             raise ValueError("config.json: rope_parameters.mrope_section is missing")
         self.model.rotary = MRotaryEmbedding(spec.head_dim, spec.max_positions, spec.rope,
-                                             section)  # fmt: skip
-        self.visual = Qwen2_5VisionTower(hf_config["vision_config"], dtype)
-        self.image_token_id = int(hf_config["image_token_id"])
+                                             section, self.interleaved_mrope)  # fmt: skip
+        self.visual = self.tower_class(hf_config["vision_config"], dtype)
         self.merge_size = self.visual.spec.spatial_merge_size
 
     def forward(
@@ -106,17 +123,21 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     ) -> torch.Tensor:
         if images is None:
             return self.model(input_ids, positions, meta)
-        return self.model(input_ids, images.rope_positions, meta,
-                          (images.image_rows, images.image_embeds))  # fmt: skip
+        embeds = None
+        if images.image_rows is not None:
+            embeds = ImageEmbeds.of(images.image_rows, images.image_embeds, self.spec.hidden_size)
+        return self.model(input_ids, images.rope_positions, meta, embeds)
 
     def encode_images(
         self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]
     ) -> list[torch.Tensor]:
-        """Each image's embeddings [tokens, hidden], from its patches (all images' patches
-        in one tensor, image after image)."""
-        embeds = self.visual(pixel_values.to(self.visual.dtype), grids)
+        """Each image's embeddings [tokens, hidden] (Qwen3-VL: [tokens, hidden * (1 +
+        deepstack layers)]), from its patches (all images' patches in one tensor)."""
+        out = self.visual(pixel_values.to(self.visual.dtype), grids)
+        if isinstance(out, tuple):  # (embeddings, deepstack features)
+            out = torch.cat([out[0], *out[1]], dim=-1)
         sizes = [t * h * w // self.merge_size**2 for t, h, w in grids]
-        return list(embeds.to(self.model.dtype).split(sizes))
+        return list(out.to(self.model.dtype).split(sizes))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         text: list[tuple[str, torch.Tensor]] = []
@@ -127,18 +148,35 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                 vision.append((name[len("visual.") :], tensor))
             else:
                 text.append((name, tensor))
-        loaded = super().load_weights(text)
+        loaded = super().load_weights(text)  # type: ignore[misc]
         return loaded | {f"visual.{n}" for n in self.visual.load_weights(vision)}
 
     def _map_name(self, name: str) -> tuple[str, Any] | None:
         name = checkpoint_name(name)
         if name.startswith("visual."):  # the tower's parameters carry the checkpoint's names
             return name, None
-        return super()._map_name(name)
+        return super()._map_name(name)  # type: ignore[misc]
 
     def _list_expected_keys(self) -> set[str]:
-        keys = {k for k in super()._list_expected_keys() if not k.startswith("visual.")}
+        keys = {k for k in super()._list_expected_keys() if not k.startswith("visual.")}  # type: ignore[misc]
         return keys | {f"visual.{k}" for k in self.visual.expected_checkpoint_keys()}
+
+
+class Qwen2_5_VLForConditionalGeneration(VisionLanguage, Qwen2ForCausalLM):
+    """Qwen2.5-VL: the Qwen2 decoder, the windowed vision tower, M-RoPE in three blocks."""
+
+
+class Qwen3VLForConditionalGeneration(VisionLanguage, Qwen3ForCausalLM):
+    """Qwen3-VL: the Qwen3 decoder, its vision tower's deepstack features added after the
+    first layers, interleaved M-RoPE."""
+
+    interleaved_mrope = True
+
+    @property
+    def tower_class(self) -> type[nn.Module]:  # type: ignore[override]
+        from hotswap.model.models.vision_qwen3 import Qwen3VisionTower
+
+        return Qwen3VisionTower
 
 
 def checkpoint_name(name: str) -> str:
