@@ -113,7 +113,9 @@ class VisionSpec:
             )
 
 
-class _Linear(nn.Module):
+class FrozenLinear(nn.Module):
+    """A linear layer whose parameters come from a checkpoint (uninitialised, no grad)."""
+
     def __init__(self, n_in: int, n_out: int, dtype: torch.dtype, bias: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_out, n_in, dtype=dtype), requires_grad=False)
@@ -157,13 +159,13 @@ class _Attention(nn.Module):
     def __init__(self, spec: VisionSpec, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
-        self.qkv = _Linear(spec.hidden_size, 3 * spec.hidden_size, dtype)
-        self.proj = _Linear(spec.hidden_size, spec.hidden_size, dtype)
+        self.qkv = FrozenLinear(spec.hidden_size, 3 * spec.hidden_size, dtype)
+        self.proj = FrozenLinear(spec.hidden_size, spec.hidden_size, dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Tensor]) -> Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = torch.empty_like(q)
         # Each group holds segments of one length L as rows [num_segments, L] of indices into
         # the sequence: a batch of bidirectional attentions with no mask.
@@ -177,9 +179,9 @@ class _Attention(nn.Module):
 class _MLP(nn.Module):
     def __init__(self, spec: VisionSpec, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = _Linear(spec.hidden_size, spec.intermediate_size, dtype)
-        self.up_proj = _Linear(spec.hidden_size, spec.intermediate_size, dtype)
-        self.down_proj = _Linear(spec.intermediate_size, spec.hidden_size, dtype)
+        self.gate_proj = FrozenLinear(spec.hidden_size, spec.intermediate_size, dtype)
+        self.up_proj = FrozenLinear(spec.hidden_size, spec.intermediate_size, dtype)
+        self.down_proj = FrozenLinear(spec.intermediate_size, spec.hidden_size, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -205,7 +207,9 @@ class _Merger(nn.Module):
         self.ln_q = _RMSNorm(spec.hidden_size, dtype)
         # Indexed 0 and 2 as the checkpoint's nn.Sequential(Linear, GELU, Linear).
         self.mlp = nn.Sequential(
-            _Linear(wide, wide, dtype), nn.GELU(), _Linear(wide, spec.out_hidden_size, dtype)
+            FrozenLinear(wide, wide, dtype),
+            nn.GELU(),
+            FrozenLinear(wide, spec.out_hidden_size, dtype),
         )
         self.wide = wide
 
@@ -214,13 +218,13 @@ class _Merger(nn.Module):
         return self.mlp(self.ln_q(x).reshape(-1, self.wide))
 
 
-class _Rotary(nn.Module):
+class AxialRotary(nn.Module):
     """Axial 2-D rotary: head_dim // 4 frequencies, shared by the row and the column axis."""
 
-    def __init__(self, spec: VisionSpec) -> None:
+    def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        half = spec.head_dim // 2
-        inv_freq = 1.0 / spec.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half)
+        half = head_dim // 2
+        inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half)
         # Derived from the config, never in a checkpoint.
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -233,7 +237,7 @@ class _Rotary(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary on x [N, heads, hd] with cos/sin [N, hd], in float32 as HF, back in x's dtype."""
     xf = x.float()
     half = xf.shape[-1] // 2
@@ -241,7 +245,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
-def _unit_positions(t: int, h: int, w: int, m: int) -> Tensor:
+def merge_block_positions(t: int, h: int, w: int, m: int) -> Tensor:
     """(row, col) of each patch of a frame in merge-block order, repeated for t frames:
     [t*h*w, 2]."""
     rows = torch.arange(h).view(h // m, m, 1, 1).expand(h // m, m, w // m, m)
@@ -263,7 +267,7 @@ def _window_order(t: int, h: int, w: int, win: int) -> tuple[Tensor, list[int]]:
     return windows[valid], valid.sum(1).tolist()
 
 
-def _length_groups(lengths: Sequence[int], device: torch.device) -> list[Tensor]:
+def length_groups(lengths: Sequence[int], device: torch.device) -> list[Tensor]:
     """Contiguous segments of the given lengths, grouped by length: for each length L an
     index tensor [segments of length L, L] into the sequence."""
     starts: dict[int, list[int]] = {}
@@ -298,7 +302,7 @@ def _layout(spec: VisionSpec, grids: Sequence[Grid], device: torch.device) -> _L
         base += t * (h // m) * (w // m)
         window_lens += [n * mu for n in lens]
         frame_lens += [h * w] * t  # full attention: each frame on its own
-        positions.append(_unit_positions(t, h, w, m))
+        positions.append(merge_block_positions(t, h, w, m))
     unit_order = torch.cat(units)
     # A unit's merge**2 patches are consecutive rows, and stay so after the reorder.
     patch_order = (unit_order.view(-1, 1) * mu + torch.arange(mu)).view(-1)
@@ -306,8 +310,8 @@ def _layout(spec: VisionSpec, grids: Sequence[Grid], device: torch.device) -> _L
         patch_order=patch_order.to(device),
         unit_order=unit_order.to(device),
         positions=torch.cat(positions)[patch_order].to(device),
-        window_groups=_length_groups(window_lens, device),
-        full_groups=_length_groups(frame_lens, device),
+        window_groups=length_groups(window_lens, device),
+        full_groups=length_groups(frame_lens, device),
     )
 
 
@@ -321,7 +325,7 @@ class Qwen2_5VisionTower(nn.Module):
         self.patch_embed = _PatchEmbed(spec, dtype)
         self.blocks = nn.ModuleList([_Block(spec, dtype) for _ in range(spec.depth)])
         self.merger = _Merger(spec, dtype)
-        self.rotary = _Rotary(spec)
+        self.rotary = AxialRotary(spec.head_dim, spec.rope_theta)
 
     def _check_input(self, pixel_values: Tensor, grids: Sequence[Grid]) -> None:
         m = self.spec.spatial_merge_size
