@@ -35,55 +35,48 @@ PREPROCESSOR = {
 }
 
 
-def write_tiny_vl_model(out_dir: Path, seed: int = 0) -> Path:
+# Qwen3-VL's image processor: patches of 16, mean and std 0.5
+PREPROCESSOR_QWEN3 = {**PREPROCESSOR, "patch_size": 16, "min_pixels": 64 * 64,
+                      "max_pixels": 16 * 16 * 4 * 64, "image_mean": [0.5] * 3,
+                      "image_std": [0.5] * 3}  # fmt: skip
+
+
+def write_tiny_vl_model(out_dir: Path, seed: int = 0, family: str = "qwen2_5_vl") -> Path:
+    """`family`: "qwen2_5_vl" or "qwen3_vl" (deepstack from both tower blocks)."""
     import transformers
 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_tokenizer(out_dir, extra_special=VISION_TOKENS, chat_template=VL_TEMPLATE)
     tok = json.loads((out_dir / "tokenizer.json").read_text())
     ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
-    vocab = len(tok["model"]["vocab"])
-    text = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        initializer_range=0.1,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=False,
-    )
-    vision = dict(
-        depth=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=4,
-        out_hidden_size=64,
-        patch_size=14,
-        spatial_merge_size=2,
-        window_size=56,
-        fullatt_block_indexes=[1],
-        temporal_patch_size=2,
-        initializer_range=0.1,
-    )
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False,
-    )  # fmt: skip
+    text = dict(vocab_size=len(tok["model"]["vocab"]), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=10000.0,
+                initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+                tie_word_embeddings=False)  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                  spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.1)  # fmt: skip
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"],
+                  vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)  # fmt: skip
+    if family == "qwen3_vl":
+        text.update(head_dim=16, rope_scaling={"rope_type": "default", "mrope_interleaved": True,
+                                               "mrope_section": [2, 3, 3]})  # fmt: skip
+        vision.update(patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1])
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class, preprocessor = transformers.Qwen3VLForConditionalGeneration, PREPROCESSOR_QWEN3
+    else:
+        text.update(rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]})
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
+        config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens)
+        model_class, preprocessor = transformers.Qwen2_5_VLForConditionalGeneration, PREPROCESSOR
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     with torch.no_grad():  # biases and norms that matter
         for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name or "ln_q" in name:
-                param.normal_(1.0 if "norm" in name or "ln_q" in name else 0.0, 0.1)
+            norm = "norm" in name or "ln_q" in name
+            if name.endswith("bias") or norm:
+                param.normal_(1.0 if norm and not name.endswith("bias") else 0.0, 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
-    (out_dir / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(preprocessor))
     return out_dir

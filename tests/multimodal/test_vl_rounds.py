@@ -21,18 +21,17 @@ MAX_TOKENS = 32
 ENGINE = {"dtype": "float32", "batch_invariant": True, "block_size": 8, "progress": False}
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    root = tmp_path_factory.mktemp("vl_rounds")
-    return write_tiny_vl_model(root / "v1", seed=0), write_tiny_vl_model(root / "v2", seed=1)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def dirs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    root, family = tmp_path_factory.mktemp("vl_rounds"), request.param
+    return (write_tiny_vl_model(root / "v1", seed=0, family=family),
+            write_tiny_vl_model(root / "v2", seed=1, family=family))  # fmt: skip
 
 
 def _trainer_tensors(model_dir) -> dict[str, torch.Tensor]:  # noqa: ANN001
     import transformers
 
-    model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-        model_dir, dtype=torch.float32
-    )
+    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 

@@ -24,6 +24,7 @@ from hotswap.model.models.decoder import ImageEmbeds
 from hotswap.model.models.qwen2 import Qwen2ForCausalLM
 from hotswap.model.models.qwen3 import Qwen3ForCausalLM
 from hotswap.model.models.vision import Qwen2_5VisionTower
+from hotswap.model.models.vision_qwen3 import Qwen3VisionTower
 from hotswap.model.parallel import TPGroup
 
 # Checkpoint prefixes: transformers 5's module names (what a trainer's named_parameters()
@@ -171,12 +172,7 @@ class Qwen3VLForConditionalGeneration(VisionLanguage, Qwen3ForCausalLM):
     first layers, interleaved M-RoPE."""
 
     interleaved_mrope = True
-
-    @property
-    def tower_class(self) -> type[nn.Module]:  # type: ignore[override]
-        from hotswap.model.models.vision_qwen3 import Qwen3VisionTower
-
-        return Qwen3VisionTower
+    tower_class = Qwen3VisionTower
 
 
 def checkpoint_name(name: str) -> str:

@@ -10,7 +10,10 @@ from hotswap.model.models.moe import (
     Qwen3MoeForCausalLM,
 )
 from hotswap.model.models.qwen2 import Qwen2ForCausalLM
-from hotswap.model.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration
+from hotswap.model.models.qwen2_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
 from hotswap.model.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -22,6 +25,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 
 
