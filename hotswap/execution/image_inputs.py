@@ -77,3 +77,15 @@ class ImageInputs:
         sizes = [t * h * w for t, h, w in grids]
         return [self.model.encode_images(part, [grid])[0]
                 for part, grid in zip(pixels.split(sizes), grids)]  # fmt: skip
+
+
+def text_positions(plan: ImageRows, device: torch.device) -> torch.Tensor | None:
+    """The step's positions as one row where every row's three axes agree and no row is an
+    image token (decode steps): M-RoPE is then plain RoPE at those positions, and the step
+    can run through the compiled decode graphs. None otherwise."""
+    if plan.slices:
+        return None
+    rope = np.concatenate(plan.rope_positions, axis=1)
+    if not (rope == rope[0]).all():
+        return None
+    return torch.from_numpy(np.ascontiguousarray(rope[0])).to(device)

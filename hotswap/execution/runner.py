@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from hotswap.execution.decode_paths import (
     watched_tensors,
 )
 from hotswap.execution.host_memory import return_freed_memory, reuse_freed_memory
-from hotswap.execution.image_inputs import ImageInputs
+from hotswap.execution.image_inputs import ImageInputs, text_positions
 from hotswap.execution.kernel_choice import choose_kernels
 from hotswap.execution.ranks import TensorParallelWorkers, on_every_rank
 from hotswap.execution.routed_experts import RoutedExpertsBuffer
@@ -288,7 +289,7 @@ class ModelRunner(RankWeights, RankShadow):
         if logits is None:
             inputs = self._inputs(batch)
             # the compiled graphs were traced without adapters: adapter steps run eagerly
-            logits = None if adapters else compiled_logits(self.compiled, items, inputs)
+            logits = None if adapters else self._compiled_logits(items, batch, inputs)
             if logits is not None and self.routed_experts is not None:
                 self._read_routed_experts(items, inputs, out)  # the graph set them too
         if logits is None:
@@ -306,6 +307,16 @@ class ModelRunner(RankWeights, RankShadow):
             if logprobs is not None:
                 out.logprobs[request.request_id] = logprobs
         return out
+
+    def _compiled_logits(
+        self, items: list[ScheduledChunk], batch: StepBatch, inputs: StepInputs
+    ) -> torch.Tensor | None:
+        if batch.images is not None:  # a multimodal model's step: compiled if plain RoPE
+            positions = text_positions(batch.images, self.device)
+            if positions is None:
+                return None
+            inputs = dataclasses.replace(inputs, positions=positions)
+        return compiled_logits(self.compiled, items, inputs)
 
     def _forward(self, batch: StepBatch, inputs: StepInputs) -> torch.Tensor:
         if batch.images is None or self.images is None:

@@ -80,7 +80,9 @@ class MRotaryEmbedding(RotaryEmbedding):
 class VisionLanguage:
     """What a Qwen vision-language model adds to its decoder class (mixed in first)."""
 
-    compilable = False  # decode steps read three-row positions: eager steps only (for now)
+    # Decode steps compile (their three axes agree: plain RoPE, runner.py); CUDA graphs
+    # are not captured for them yet.
+    compilable = True
     tensor_parallel = False  # the vision tower is not split across ranks (yet)
     multimodal = True
     tower_class: type[nn.Module] = Qwen2_5VisionTower
