@@ -102,6 +102,8 @@ class MediaConfig:
     limit_images: int = 999
     allowed_local_media_path: Path | None = None
     allowed_media_domains: tuple[str, ...] | None = None
+    # vLLM's --mm-processor-kwargs: the image processor's settings over the checkpoint's
+    processor_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -197,26 +199,33 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def media_config(limits: object, local_path: str | None,
-                 domains: list[str] | None) -> MediaConfig:  # fmt: skip
+def media_config(limits: object, local_path: str | None, domains: list[str] | None,
+                 processor_kwargs: object = None) -> MediaConfig:  # fmt: skip
     """vLLM's media flags: `limits` as --limit-mm-per-prompt takes it (JSON or a dict,
     {"image": N}), the local directory file:// URLs may read (real path), the domains
     remote images may come from."""
-    if isinstance(limits, str) and limits:
-        try:
-            limits = json.loads(limits)
-        except ValueError as e:
-            raise InvalidArgument("limit_mm_per_prompt",
-                                  f"limit_mm_per_prompt: not JSON ({e})") from None  # fmt: skip
-    limits = limits or {}
-    count = limits.get("image", 999) if isinstance(limits, dict) else None
+    limits = json_object("limit_mm_per_prompt", limits)
+    count = limits.get("image", 999)
     if isinstance(count, dict):  # vLLM's newer form: {"image": {"count": N, ...}}
         count = count.get("count", 999)
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise InvalidArgument("limit_mm_per_prompt", "limit_mm_per_prompt: expected "
                               f'{{"image": N}} with N >= 0, got {limits!r}')  # fmt: skip
     local = Path(os.path.realpath(os.path.expanduser(local_path))) if local_path else None
-    return MediaConfig(count, local, tuple(domains) if domains is not None else None)
+    kwargs = json_object("mm_processor_kwargs", processor_kwargs)
+    return MediaConfig(count, local, tuple(domains) if domains is not None else None, kwargs)
+
+
+def json_object(name: str, value: object) -> dict[str, Any]:
+    """A flag's JSON object (text or a dict already); {} when unset."""
+    if isinstance(value, str) and value:
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidArgument(name, f"{name}: not JSON ({e})") from None
+    if value and not isinstance(value, dict):
+        raise InvalidArgument(name, f"{name}: must be a JSON object")
+    return dict(value or {})
 
 
 def allowed_weight_dirs(dirs: object, model_dir: Path) -> tuple[Path, ...]:

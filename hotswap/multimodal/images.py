@@ -5,6 +5,7 @@ does (`process_image`), with the same pixel values, grid and patch order."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import io
 import json
@@ -95,6 +96,24 @@ class ImageProcessorConfig:
             if d.get(name) is not None:
                 kwargs[name] = bool(d[name])
         return cls(**kwargs)
+
+    def with_overrides(self, kwargs: Mapping[str, Any], field: str) -> ImageProcessorConfig:
+        """vLLM's `mm_processor_kwargs` for Qwen-VL models: `min_pixels`, `max_pixels`
+        (or `size: {"shortest_edge", "longest_edge"}`) bound the resized area; other keys
+        (a video's fps, ...) do not apply to images and are ignored, as the processor does.
+        A bad value: InvalidArgument naming `field`."""
+        size = kwargs.get("size") if isinstance(kwargs.get("size"), Mapping) else {}
+        bounds = {"min_pixels": kwargs.get("min_pixels", size.get("shortest_edge")),
+                  "max_pixels": kwargs.get("max_pixels", size.get("longest_edge"))}  # fmt: skip
+        changes = {name: value for name, value in bounds.items() if value is not None}
+        for name, value in changes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{field}.{name}", f"{field}.{name}: must be a positive "
+                                      f"integer, got {value!r}")  # fmt: skip
+        try:
+            return dataclasses.replace(self, **changes)
+        except ValueError as e:
+            raise InvalidArgument(field, f"{field}: {e}") from None
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike[str]) -> ImageProcessorConfig:

@@ -44,7 +44,8 @@ class PromptImages:
     --limit-mm-per-prompt, --allowed-local-media-path, --allowed-media-domains)."""
 
     def __init__(self, model_dir: Path, hf_config: dict[str, Any], media: Any) -> None:
-        self.processor = ImageProcessorConfig.from_model_dir(model_dir)
+        processor = ImageProcessorConfig.from_model_dir(model_dir)
+        self.processor = processor.with_overrides(media.processor_kwargs, "mm_processor_kwargs")
         self.token_id = int(hf_config["image_token_id"])
         self.media = media
 
@@ -82,10 +83,15 @@ class PromptImages:
             raise InvalidArgument(field, f"{field}: {count} images, at most {limit} per "
                                   f"prompt (--limit-mm-per-prompt)")  # fmt: skip
 
-    def process(self, source: Any, field: str) -> ProcessedImage:
+    def process(self, source: Any, field: str,
+                overrides: dict[str, Any] | None = None) -> ProcessedImage:  # fmt: skip
+        """`overrides`: a request's `mm_processor_kwargs` (vLLM's), over the server's."""
         if isinstance(source, ProcessedImage):
             return source
-        return process_image(self.load(source, field), self.processor, field=field)
+        processor = self.processor
+        if overrides:
+            processor = processor.with_overrides(overrides, "mm_processor_kwargs")
+        return process_image(self.load(source, field), processor, field=field)
 
     def load(self, source: Any, field: str) -> Any:
         """One image (a PIL image, bytes or a URL) under the server's media rules."""

@@ -153,3 +153,16 @@ def test_too_many_images_and_truncated_ones_are_400(served) -> None:  # noqa: AN
     assert reply.status_code == 400
     # the server still serves
     assert _chat(served, _data_url(png))["choices"][0]["token_ids"]
+
+
+def test_a_requests_mm_processor_kwargs_bound_the_image(served) -> None:  # noqa: ANN001
+    png = _png(5, (224, 224))
+    body = {"model": str(served.model_dir), "messages": _messages(_data_url(png))}
+    url = f"{served.server.url}/v1/chat/completions/render"
+    full = httpx.post(url, json=body).json()
+    small = httpx.post(url, json={**body, "mm_processor_kwargs": {"max_pixels": 56 * 56}}).json()
+    sizes = [r["features"]["mm_placeholders"]["image"][0]["length"] for r in (full, small)]
+    assert sizes[1] < sizes[0]
+    bad = httpx.post(url, json={**body, "mm_processor_kwargs": {"max_pixels": -1}})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "body.mm_processor_kwargs.max_pixels"

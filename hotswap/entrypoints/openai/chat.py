@@ -177,7 +177,9 @@ def render_chat(engine: AsyncLLM, body: ChatCompletionRequest) -> EnginePrompt:
         param="body.messages",
     )
     sources = chat_images(body.messages)
-    return place_images(engine, prompt, sources, "messages") if sources else prompt
+    if not sources:
+        return prompt
+    return place_images(engine, prompt, sources, "messages", body.mm_processor_kwargs)
 
 
 def chat_images(messages: list[dict[str, Any]]) -> list[tuple[str, str]]:

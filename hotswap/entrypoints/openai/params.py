@@ -321,7 +321,7 @@ def prepare_prompt(
 
 
 def place_images(engine: AsyncLLM, prompt: EnginePrompt, sources: list[tuple[str, str]],
-                 field: str) -> EnginePrompt:  # fmt: skip
+                 field: str, overrides: dict[str, Any] | None = None) -> EnginePrompt:  # fmt: skip
     """The prompt with its images ((field, url) each) loaded and processed and their
     placeholders expanded once (the engine then keeps them as they are); 400 naming the
     image's field, or `field` (the body's, that holds them all), when refused."""
@@ -330,7 +330,7 @@ def place_images(engine: AsyncLLM, prompt: EnginePrompt, sources: list[tuple[str
     fields = [field for field, _ in sources]
     try:
         engine.images.check_count(len(sources), field)
-        images = [engine.images.process(url, name) for name, url in sources]
+        images = [engine.images.process(url, name, overrides) for name, url in sources]
         ids, placed = engine.images.place(prompt.token_ids, images, field, fields)
     except InvalidArgument as e:
         raise bad_request(str(e), f"body.{e.field}") from None

@@ -230,6 +230,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None  # vLLM's: image processor settings
     documents: list[dict[str, Any]] | None = None
     # tool calling (chat_tools): tools reach the chat template; "auto" needs a tool parser
     tools: list[dict[str, Any]] | None = None
