@@ -62,8 +62,8 @@ def test_processor_overrides_server_then_request(model_dir: Path) -> None:
 
 
 def test_counts_domains_and_modalities(model_dir: Path) -> None:
-    images = PromptImages(model_dir, CONFIG, MediaConfig(limit_images=1,
-                                                         allowed_media_domains=("a.test",)))  # fmt: skip
+    media = MediaConfig(limit_images=1, allowed_media_domains=("a.test",))
+    images = PromptImages(model_dir, CONFIG, media)
     with pytest.raises(InvalidArgument, match="at most 1") as e:
         images.place([1, PAD, PAD], [_image(), _image()])
     assert e.value.field == "multi_modal_data"
