@@ -6,6 +6,7 @@ rounds carry transformers' own parameter names (model.language_model.*, model.vi
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -14,7 +15,14 @@ from PIL import Image
 
 from hotswap import LLM, AsyncLLM, SamplingParams
 from hotswap.outputs import CompletionOutput
+from hotswap.weight_transfer import (
+    GlooTrainerInitInfo,
+    InProcessWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
 from tests.helpers.tiny_vl import IMAGE, write_tiny_vl_model
+from tests.weight_transfer.conftest import free_port
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 32
@@ -46,9 +54,10 @@ def _prompts() -> list[dict]:
 
 
 async def _swap_mid_flight(
-    llm: AsyncLLM, tensors: dict
-) -> list[tuple[list[int], CompletionOutput]]:  # noqa: ANN001
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm: AsyncLLM, swap: Callable[[], Awaitable], max_tokens: int = MAX_TOKENS
+) -> list[tuple[list[int], CompletionOutput]]:
+    """Streams every prompt; once one has 8 tokens, `swap()` runs."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     latest: dict[int, tuple[list[int], CompletionOutput]] = {}
     reached = asyncio.Event()
 
@@ -61,11 +70,28 @@ async def _swap_mid_flight(
     prompts = _prompts()
     tasks = [asyncio.ensure_future(stream(i, p)) for i, p in enumerate(prompts)]
     await asyncio.wait_for(reached.wait(), 60)
-    await llm.pause_generation(mode="keep", clear_cache=True)
-    await llm.load_weights_inline(tensors, "v2")
-    await llm.resume_generation()
+    await swap()
     await asyncio.wait_for(asyncio.gather(*tasks), 120)
     return [latest[i] for i in range(len(prompts))]
+
+
+def _check_against_fresh(v2_dir, results: list) -> None:  # noqa: ANN001
+    """Each continuation after the switch equals a fresh V2 engine fed prompt + tokens."""
+    fresh = LLM(str(v2_dir), **ENGINE)
+    images = [p["multi_modal_data"]["image"] for p in _prompts()]
+    swapped = 0
+    for (prompt_ids, output), image in zip(results, images):
+        total = len(output.token_ids)
+        boundary = next((s.start for s in output.weight_versions if s.version == 1), total)
+        if boundary in (0, total):
+            continue
+        swapped += 1
+        pre, post = output.token_ids[:boundary], output.token_ids[boundary:]
+        cont = SamplingParams(temperature=0.0, max_tokens=len(post), ignore_eos=True)
+        prompt = {"prompt_token_ids": prompt_ids + list(pre), "multi_modal_data": {"image": image}}
+        again = fresh.generate([prompt], cont, use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == post, "diverged after the swap"
+    assert swapped >= 3
 
 
 def test_a_mid_flight_swap_of_both_towers_equals_a_fresh_engine(dirs) -> None:  # noqa: ANN001
@@ -75,26 +101,49 @@ def test_a_mid_flight_swap_of_both_towers_equals_a_fresh_engine(dirs) -> None:  
 
     async def run() -> list:
         llm = AsyncLLM(str(v1_dir), **ENGINE)
+
+        async def swap() -> None:
+            await llm.pause_generation(mode="keep", clear_cache=True)
+            await llm.load_weights_inline(tensors, "v2")
+            await llm.resume_generation()
+
         try:
-            return await _swap_mid_flight(llm, tensors)
+            return await _swap_mid_flight(llm, swap)
         finally:
             llm.shutdown()
 
-    results = asyncio.run(run())
-    fresh = LLM(str(v2_dir), **ENGINE)
-    images = [p["multi_modal_data"]["image"] for p in _prompts()]
-    swapped = 0
-    for (prompt_ids, output), image in zip(results, images):
-        boundary = next((s.start for s in output.weight_versions if s.version == 1), MAX_TOKENS)
-        if boundary == MAX_TOKENS:
-            continue
-        swapped += 1
-        pre, post = output.token_ids[:boundary], output.token_ids[boundary:]
-        cont = SamplingParams(temperature=0.0, max_tokens=len(post), ignore_eos=True)
-        prompt = {"prompt_token_ids": prompt_ids + list(pre), "multi_modal_data": {"image": image}}
-        again = fresh.generate([prompt], cont, use_tqdm=False)[0]
-        assert again.outputs[0].token_ids == post, "diverged after the swap"
-    assert swapped >= 3
+    _check_against_fresh(v2_dir, asyncio.run(run()))
+
+
+def test_an_in_flight_round_recomputes_with_the_new_tower(dirs) -> None:  # noqa: ANN001
+    """No pause: a trainer's gloo round lands between two steps; running requests
+    recompute (kv_policy recompute), their images re-encoded by the new tower."""
+    import transformers
+
+    v1_dir, v2_dir = dirs
+    trainer_model = transformers.AutoModelForImageTextToText.from_pretrained(
+        v2_dir, dtype=torch.float32
+    )
+    config = {"backend": "gloo", "in_flight": True, "kv_policy": "recompute"}
+
+    async def run() -> list:
+        llm = AsyncLLM(str(v1_dir), weight_transfer_config=config, **ENGINE)
+        try:
+            await llm.get_weight_version()
+            info = GlooTrainerInitInfo(master_port=free_port(), world_size=2)
+            trainer = await asyncio.to_thread(
+                WeightTransferTrainerFactory.trainer_init, info,
+                InProcessWeightSyncClient(llm), ModuleSource(trainer_model),
+            )  # fmt: skip
+            # more tokens: the round must land while most streams still run (a loaded
+            # host may take a while to commit it)
+            return await _swap_mid_flight(
+                llm, lambda: asyncio.to_thread(trainer.send_weights, "v2"), max_tokens=160
+            )
+        finally:
+            llm.shutdown()
+
+    _check_against_fresh(v2_dir, asyncio.run(run()))
 
 
 def test_a_language_model_round_leaves_the_vision_tower(dirs) -> None:  # noqa: ANN001
