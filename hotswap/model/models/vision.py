@@ -31,8 +31,9 @@ Grid = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
-class VisionSpec:
-    """What config.json's `vision_config` says about the tower, with HF's defaults."""
+class TowerSpec:
+    """What every Qwen vision tower's `vision_config` says, with HF's Qwen2.5-VL defaults
+    (each tower's spec adds its own fields and defaults)."""
 
     depth: int = 32
     hidden_size: int = 3584
@@ -42,8 +43,6 @@ class VisionSpec:
     patch_size: int = 14
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
-    window_size: int = 112
-    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
     out_hidden_size: int = 3584
     rope_theta: float = 10000.0
 
@@ -61,6 +60,41 @@ class VisionSpec:
         """Values per patch in `pixel_values`: C * T * P * P."""
         return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
+    @classmethod
+    def shared_fields(cls, cfg: dict[str, Any]) -> dict[str, Any]:
+        """The shared keys of `cfg` (a config.json's vision_config), this spec's defaults
+        where absent."""
+        d = cls()
+        rope = cfg.get("rope_parameters") or {}
+        ints = ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size",
+                "temporal_patch_size", "spatial_merge_size", "out_hidden_size")  # fmt: skip
+        fields = {name: int(cfg.get(name, getattr(d, name))) for name in ints}
+        # The released checkpoints' config.json say `in_chans`; HF's class `in_channels`.
+        fields["in_channels"] = int(cfg.get("in_channels", cfg.get("in_chans", d.in_channels)))
+        fields["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", d.rope_theta)))
+        return fields
+
+    def check_heads(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"config.json: vision_config.hidden_size ({self.hidden_size}) is not a "
+                f"multiple of vision_config.num_heads ({self.num_heads})"
+            )
+        # The 2-D rotary splits the head in four: (h, w) x (cos/sin halves).
+        if self.head_dim % 4:
+            raise ValueError(
+                f"config.json: vision head dim {self.head_dim} (vision_config.hidden_size / "
+                "num_heads) must be a multiple of 4"
+            )
+
+
+@dataclass(frozen=True)
+class VisionSpec(TowerSpec):
+    """Qwen2.5-VL's tower: windows of `window_size` pixels, full attention in some blocks."""
+
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+
     @property
     def window_units(self) -> int:
         """Merged units per window side."""
@@ -73,44 +107,20 @@ class VisionSpec:
         if act != "silu":
             raise ValueError(f"config.json: vision_config.hidden_act {act!r} is not supported")
         d = cls()
-        rope = cfg.get("rope_parameters") or {}
         spec = cls(
-            depth=int(cfg.get("depth", d.depth)),
-            hidden_size=int(cfg.get("hidden_size", d.hidden_size)),
-            intermediate_size=int(cfg.get("intermediate_size", d.intermediate_size)),
-            num_heads=int(cfg.get("num_heads", d.num_heads)),
-            # The released checkpoints' config.json say `in_chans`; HF's class `in_channels`.
-            in_channels=int(cfg.get("in_channels", cfg.get("in_chans", d.in_channels))),
-            patch_size=int(cfg.get("patch_size", d.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", d.temporal_patch_size)),
-            spatial_merge_size=int(cfg.get("spatial_merge_size", d.spatial_merge_size)),
+            **cls.shared_fields(cfg),
             window_size=int(cfg.get("window_size", d.window_size)),
             fullatt_block_indexes=tuple(
                 int(i) for i in cfg.get("fullatt_block_indexes", d.fullatt_block_indexes)
             ),
-            out_hidden_size=int(cfg.get("out_hidden_size", d.out_hidden_size)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", d.rope_theta))),
         )
-        spec._check()
-        return spec
-
-    def _check(self) -> None:
-        if self.hidden_size % self.num_heads:
+        spec.check_heads()
+        if spec.window_units < 1:
             raise ValueError(
-                f"config.json: vision_config.hidden_size ({self.hidden_size}) is not a "
-                f"multiple of vision_config.num_heads ({self.num_heads})"
-            )
-        # The 2-D rotary splits the head in four: (h, w) x (cos/sin halves).
-        if self.head_dim % 4:
-            raise ValueError(
-                f"config.json: vision head dim {self.head_dim} (vision_config.hidden_size / "
-                "num_heads) must be a multiple of 4"
-            )
-        if self.window_units < 1:
-            raise ValueError(
-                f"config.json: vision_config.window_size ({self.window_size}) is smaller than "
+                f"config.json: vision_config.window_size ({spec.window_size}) is smaller than "
                 "patch_size * spatial_merge_size"
             )
+        return spec
 
 
 class FrozenLinear(nn.Module):
@@ -315,17 +325,11 @@ def _layout(spec: VisionSpec, grids: Sequence[Grid], device: torch.device) -> _L
     )
 
 
-class Qwen2_5VisionTower(nn.Module):
-    """Qwen2.5-VL's `visual` module; parameter names are the checkpoint's after `visual.`."""
+class VisionTower(nn.Module):
+    """What every Qwen vision tower shares: its input checks and loading by checkpoint
+    name (`spec`: a TowerSpec, set by the subclass)."""
 
-    def __init__(self, vision_config: dict[str, Any], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.spec = spec = VisionSpec.from_hf(vision_config)
-        self.dtype = dtype
-        self.patch_embed = _PatchEmbed(spec, dtype)
-        self.blocks = nn.ModuleList([_Block(spec, dtype) for _ in range(spec.depth)])
-        self.merger = _Merger(spec, dtype)
-        self.rotary = AxialRotary(spec.head_dim, spec.rope_theta)
+    spec: TowerSpec
 
     def _check_input(self, pixel_values: Tensor, grids: Sequence[Grid]) -> None:
         m = self.spec.spatial_merge_size
@@ -341,26 +345,6 @@ class Qwen2_5VisionTower(nn.Module):
                 f"pixel_values has shape {tuple(pixel_values.shape)}, the grids need "
                 f"{(rows, self.spec.patch_dim)}",
             )
-
-    def forward(self, pixel_values: Tensor, grid_thw: Sequence[Grid]) -> Tensor:
-        """pixel_values [num_patches, C*T*P*P] (images' patches one after the other, each in
-        merge-block order), grid_thw the (t, h, w) patch grid of each image -> embeddings
-        [num_patches // merge**2, out_hidden_size] in self.dtype, image after image."""
-        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw]
-        self._check_input(pixel_values, grids)
-        if not grids:
-            return pixel_values.new_empty((0, self.spec.out_hidden_size), dtype=self.dtype)
-        lay = _layout(self.spec, grids, pixel_values.device)
-        x = self.patch_embed(pixel_values[lay.patch_order])
-        cos, sin = self.rotary(lay.positions)
-        full = set(self.spec.fullatt_block_indexes)
-        for i, block in enumerate(self.blocks):
-            groups = lay.full_groups if i in full else lay.window_groups
-            x = block(x, cos, sin, groups)
-        merged = self.merger(x)
-        out = torch.empty_like(merged)
-        out[lay.unit_order] = merged  # undo the window order
-        return out
 
     def expected_checkpoint_keys(self) -> set[str]:
         """The checkpoint tensors the tower needs, named relative to `visual.`."""
@@ -385,3 +369,36 @@ class Qwen2_5VisionTower(nn.Module):
             param.copy_(tensor)
             loaded.add(name)
         return loaded
+
+
+class Qwen2_5VisionTower(VisionTower):
+    """Qwen2.5-VL's `visual` module; parameter names are the checkpoint's after `visual.`."""
+
+    def __init__(self, vision_config: dict[str, Any], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.spec = spec = VisionSpec.from_hf(vision_config)
+        self.dtype = dtype
+        self.patch_embed = _PatchEmbed(spec, dtype)
+        self.blocks = nn.ModuleList([_Block(spec, dtype) for _ in range(spec.depth)])
+        self.merger = _Merger(spec, dtype)
+        self.rotary = AxialRotary(spec.head_dim, spec.rope_theta)
+
+    def forward(self, pixel_values: Tensor, grid_thw: Sequence[Grid]) -> Tensor:
+        """pixel_values [num_patches, C*T*P*P] (images' patches one after the other, each in
+        merge-block order), grid_thw the (t, h, w) patch grid of each image -> embeddings
+        [num_patches // merge**2, out_hidden_size] in self.dtype, image after image."""
+        grids = [(int(t), int(h), int(w)) for t, h, w in grid_thw]
+        self._check_input(pixel_values, grids)
+        if not grids:
+            return pixel_values.new_empty((0, self.spec.out_hidden_size), dtype=self.dtype)
+        lay = _layout(self.spec, grids, pixel_values.device)
+        x = self.patch_embed(pixel_values[lay.patch_order])
+        cos, sin = self.rotary(lay.positions)
+        full = set(self.spec.fullatt_block_indexes)
+        for i, block in enumerate(self.blocks):
+            groups = lay.full_groups if i in full else lay.window_groups
+            x = block(x, cos, sin, groups)
+        merged = self.merger(x)
+        out = torch.empty_like(merged)
+        out[lay.unit_order] = merged  # undo the window order
+        return out

@@ -13,7 +13,7 @@ patches of a unit as one wide vector (after the spatial shuffle) rather than pat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hotswap.errors import InvalidArgument
 from hotswap.model.models.vision import (
     AxialRotary,
     FrozenLinear,
     Grid,
+    TowerSpec,
+    VisionTower,
     apply_rotary,
     length_groups,
     merge_block_positions,
@@ -43,36 +44,16 @@ _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 @dataclass(frozen=True)
-class Qwen3VisionSpec:
+class Qwen3VisionSpec(TowerSpec):
     """What config.json's `vision_config` says about the tower, with HF's defaults."""
 
     depth: int = 27
     hidden_size: int = 1152
     intermediate_size: int = 4304
-    num_heads: int = 16
-    in_channels: int = 3
     patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    out_hidden_size: int = 3584
     num_position_embeddings: int = 2304
     deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
     hidden_act: str = "gelu_pytorch_tanh"
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches per merged unit (one output row)."""
-        return self.spatial_merge_size**2
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch in `pixel_values`: C * T * P * P."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def pos_grid_side(self) -> int:
@@ -83,17 +64,8 @@ class Qwen3VisionSpec:
     def from_hf(cls, cfg: dict[str, Any]) -> Qwen3VisionSpec:
         """From the `vision_config` dict of a Qwen3-VL config.json."""
         d = cls()
-        rope = cfg.get("rope_parameters") or {}
         spec = cls(
-            depth=int(cfg.get("depth", d.depth)),
-            hidden_size=int(cfg.get("hidden_size", d.hidden_size)),
-            intermediate_size=int(cfg.get("intermediate_size", d.intermediate_size)),
-            num_heads=int(cfg.get("num_heads", d.num_heads)),
-            in_channels=int(cfg.get("in_channels", cfg.get("in_chans", d.in_channels))),
-            patch_size=int(cfg.get("patch_size", d.patch_size)),
-            temporal_patch_size=int(cfg.get("temporal_patch_size", d.temporal_patch_size)),
-            spatial_merge_size=int(cfg.get("spatial_merge_size", d.spatial_merge_size)),
-            out_hidden_size=int(cfg.get("out_hidden_size", d.out_hidden_size)),
+            **cls.shared_fields(cfg),
             num_position_embeddings=int(
                 cfg.get("num_position_embeddings", d.num_position_embeddings)
             ),
@@ -101,7 +73,6 @@ class Qwen3VisionSpec:
                 int(i) for i in cfg.get("deepstack_visual_indexes", d.deepstack_visual_indexes)
             ),
             hidden_act=str(cfg.get("hidden_act", d.hidden_act)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", d.rope_theta))),
         )
         spec._check()
         return spec
@@ -112,17 +83,7 @@ class Qwen3VisionSpec:
                 f"config.json: vision_config.hidden_act {self.hidden_act!r} is not supported "
                 f"(supported: {', '.join(sorted(_ACTIVATIONS))})"
             )
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"config.json: vision_config.hidden_size ({self.hidden_size}) is not a "
-                f"multiple of vision_config.num_heads ({self.num_heads})"
-            )
-        # The 2-D rotary splits the head in four: (h, w) x (cos/sin halves).
-        if self.head_dim % 4:
-            raise ValueError(
-                f"config.json: vision head dim {self.head_dim} (vision_config.hidden_size / "
-                "num_heads) must be a multiple of 4"
-            )
+        self.check_heads()
         side = self.pos_grid_side
         if side < 1 or side * side != self.num_position_embeddings:
             raise ValueError(
@@ -286,7 +247,7 @@ def _layout(spec: Qwen3VisionSpec, grids: Sequence[Grid], device: torch.device) 
     )
 
 
-class Qwen3VisionTower(nn.Module):
+class Qwen3VisionTower(VisionTower):
     """Qwen3-VL's `visual` module; parameter names are the checkpoint's after `visual.`."""
 
     def __init__(self, vision_config: dict[str, Any], dtype: torch.dtype) -> None:
@@ -302,21 +263,6 @@ class Qwen3VisionTower(nn.Module):
             [_Merger(spec, dtype, postshuffle=True) for _ in spec.deepstack_visual_indexes]
         )
         self.rotary = AxialRotary(spec.head_dim, spec.rope_theta)
-
-    def _check_input(self, pixel_values: Tensor, grids: Sequence[Grid]) -> None:
-        m = self.spec.spatial_merge_size
-        for t, h, w in grids:
-            if t < 1 or h < 1 or w < 1 or h % m or w % m:
-                raise InvalidArgument(
-                    "grid_thw", f"grid {(t, h, w)}: h and w must be positive multiples of {m}"
-                )
-        rows = sum(t * h * w for t, h, w in grids)
-        if tuple(pixel_values.shape) != (rows, self.spec.patch_dim):
-            raise InvalidArgument(
-                "pixel_values",
-                f"pixel_values has shape {tuple(pixel_values.shape)}, the grids need "
-                f"{(rows, self.spec.patch_dim)}",
-            )
 
     def _position_embedding(self, lay: _Layout) -> Tensor:
         # As HF: gather the table rows, blend them with float32 weights, sum in float32.
@@ -347,27 +293,3 @@ class Qwen3VisionTower(nn.Module):
             if i in merger_of:
                 deepstack.append(self.deepstack_merger_list[merger_of[i]](x))
         return self.merger(x), deepstack
-
-    def expected_checkpoint_keys(self) -> set[str]:
-        """The checkpoint tensors the tower needs, named relative to `visual.`."""
-        return {name for name, _ in self.named_parameters()}
-
-    @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (names relative to `visual.`) into the parameters, cast to
-        their dtype; returns the names loaded. An unknown name or a wrong shape is refused."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            param = params.get(name)
-            if param is None:
-                raise InvalidArgument("weights", f"unknown vision tower tensor {name!r}")
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise InvalidArgument(
-                    "weights",
-                    f"vision tower tensor {name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(param.shape)}",
-                )
-            param.copy_(tensor)
-            loaded.add(name)
-        return loaded
