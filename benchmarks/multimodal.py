@@ -152,7 +152,11 @@ def try_vllm(venv: Path, model_dir: Path) -> str:
                           env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4"))  # fmt: skip
     if "LOADED" in done.stdout:
         return "loads (throughput not measured by this script yet)"
-    errors = [line for line in done.stderr.splitlines() if "Error" in line]
+    lines = (done.stdout + done.stderr).splitlines()  # vLLM logs its errors to stdout
+    # the root cause (a module its processor imports) before pydantic's summary of it
+    errors = [line for line in lines if "ModuleNotFoundError" in line] or [
+        line for line in lines if "Error" in line
+    ]
     return "does not serve it: " + (errors[-1].strip() if errors else "no error line")
 
 

@@ -129,4 +129,5 @@ def test_bad_images_are_refused(model_dir, tmp_path) -> None:  # noqa: ANN001
     with pytest.raises(InvalidArgument, match="placeholder"):
         llm.generate([prompt], _greedy(), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv.num_free_blocks == 64  # nothing was admitted
     assert llm.generate([_prompt([_image(0, (90, 90))])], _greedy(), use_tqdm=False)

@@ -77,6 +77,9 @@ def test_chat_images_by_data_url_and_file_give_the_generate_routes_tokens(served
                           json={"model": str(served.model_dir),
                                 "messages": _messages(_data_url(png))}).json()  # fmt: skip
     assert rendered["token_ids"] == by_data["prompt_token_ids"]
+    tokenized = httpx.post(f"{served.server.url}/tokenize",
+                           json={"messages": _messages(_data_url(png))}).json()  # fmt: skip
+    assert tokenized["tokens"] == rendered["token_ids"]  # vLLM's /tokenize expands images too
     image_id = json.loads((served.model_dir / "config.json").read_text())["image_token_id"]
     placeholder = rendered["features"]["mm_placeholders"]["image"][0]
     first = rendered["token_ids"].index(image_id)

@@ -7,8 +7,13 @@ import time
 from fastapi import Request
 
 from hotswap.engine.async_llm import AsyncLLM
-from hotswap.entrypoints.openai.chat import apply_template
-from hotswap.entrypoints.openai.params import check_model, served_model_name
+from hotswap.entrypoints.openai.chat import apply_template, chat_images
+from hotswap.entrypoints.openai.params import (
+    EnginePrompt,
+    check_model,
+    place_images,
+    served_model_name,
+)
 from hotswap.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from hotswap.entrypoints.openai.responses import (
     DetokenizeResponse,
@@ -64,6 +69,10 @@ def _tokenize(body: TokenizeRequest, engine: AsyncLLM) -> TokenizeResponse:
         text = body.prompt or ""
         add_special = body.add_special_tokens is not False
     ids = engine.tokenizer.encode(text, add_special_tokens=add_special)
+    sources = chat_images(body.messages or [])
+    if sources:  # as vLLM: each image's placeholder expanded to its tokens
+        prompt = place_images(engine, EnginePrompt(text, ids), sources, "messages")
+        ids = prompt.token_ids
     return TokenizeResponse(
         count=len(ids),
         max_model_len=engine.config.scheduler.max_model_len,
