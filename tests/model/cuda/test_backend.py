@@ -56,6 +56,35 @@ def test_the_triton_engine_generates_what_the_torch_engine_does(tiny_model_facto
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_images_through_the_triton_engine(tmp_path, family: str) -> None:  # noqa: ANN001
+    """A vision-language model on the Triton backend (the CUDA path's step inputs): chunked
+    prefill through images of two sizes, then the same prompts from the prefix cache, give
+    the torch engine's tokens and logprobs."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.helpers.tiny_vl import IMAGE, write_tiny_vl_model
+
+    path = write_tiny_vl_model(tmp_path / family, family=family)
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 255, size, dtype=np.uint8))
+              for size in ((90, 120, 3), (150, 60, 3))]  # fmt: skip
+    prompts = [{"prompt": f"<|im_start|>user\n{text} {IMAGE} now<|im_end|>\n<|im_start|>"
+                "assistant\n", "multi_modal_data": {"image": image}}
+               for text, image in zip(("The quick", "Paged"), images)]  # fmt: skip
+    runs = {}
+    for backend in ("TORCH_SDPA", "TRITON_ATTN"):
+        llm = engine(path, backend, max_num_batched_tokens=24)
+        runs[backend] = outputs(llm, prompts) + outputs(llm, prompts)
+        llm.shutdown()
+    for want, got in zip(runs["TORCH_SDPA"], runs["TRITON_ATTN"], strict=True):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert max(abs(a[t].logprob - b[t].logprob) for t in a.keys() & b.keys()) < 1e-5
+
+
+@pytest.mark.slow
 def test_batch_invariant_triton_logits_alone_equal_those_in_a_mixed_batch(tiny_llama) -> None:  # noqa: ANN001
     """Every row through the prefill kernel: decoded or prefilled, alone or batched, a
     token's logits are bitwise the same."""

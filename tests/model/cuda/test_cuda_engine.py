@@ -135,3 +135,23 @@ def test_a_mid_flight_swap_with_graphs_matches_a_fresh_engine(tiny_model_factory
             again = fresh.generate([{"prompt_token_ids": ids + pre}], cont, use_tqdm=False)
             assert again[0].outputs[0].token_ids == post
     assert swapped >= 3
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_images_on_the_gpu_give_the_cpu_tokens(tmp_path, family: str) -> None:  # noqa: ANN001
+    """A vision-language model on CUDA (its tower, image rows, M-RoPE) against the CPU."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.helpers.tiny_vl import IMAGE, write_tiny_vl_model
+
+    path = str(write_tiny_vl_model(tmp_path / family, family=family))
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 120, 3), np.uint8))
+    prompt = {"prompt": f"<|im_start|>user\nThe quick {IMAGE} jumps<|im_end|>\n"
+              "<|im_start|>assistant\n", "multi_modal_data": {"image": image}}  # fmt: skip
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(path, dtype="float32", progress=False, device=device)
+        runs[device] = [o.outputs[0] for o in llm.generate([prompt], PARAMS[2], use_tqdm=False)]
+        llm.shutdown()
+    assert_close(runs["cuda"], runs["cpu"], 1e-4)
