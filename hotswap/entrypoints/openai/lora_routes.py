@@ -38,7 +38,9 @@ class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str | None = None
     lora_path: str | None = None
     load_inplace: bool = False
-    is_3d_lora_weight: bool = False  # MoE adapters' fused weights: none in hotswap's models
+    # vLLM's flag for peft's 3-D adapters on stacked experts: accepted, not needed (the
+    # adapter's own layout says it: lora/experts.py)
+    is_3d_lora_weight: bool = False
 
 
 class UnloadLoRAAdapterRequest(RequestModel):
@@ -60,11 +62,6 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> R
     if not body.lora_name or not body.lora_path:
         param = "body.lora_path" if body.lora_name else "body.lora_name"
         raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", param)
-    if body.is_3d_lora_weight:
-        raise bad_request(
-            "is_3d_lora_weight: 3D (fused MoE) LoRA weights are not supported by hotswap",
-            "body.is_3d_lora_weight",
-        )
     name, path = body.lora_name, body.lora_path
     try:
         await load_adapter(get_engine(request), served_model_name(request), name, path,

@@ -5,6 +5,10 @@ POST /pause, /resume, /sleep, /wake_up, /reset_prefix_cache, /prepare_weight_upd
 answered once all did: the first upstream's answer when every one succeeded, else the
 first failure's status with its message prefixed by the upstream's name (the others still
 ran: e.g. after a failed /pause the upstreams that paused stay paused until /resume).
+LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, SGLang's
+/load_lora_adapter and /unload_lora_adapter) go to every upstream too; a load that any
+upstream refuses is unloaded again from those that took it, so a routed request never
+finds its adapter on one upstream and not on another.
 GET /is_paused, /is_sleeping: true when every upstream is, with each one's answer under
 `upstreams`. GET /weight_info: each upstream's under `upstreams`, and the common
 `weight_version` and `digest` when they agree (else null). /health: 200 when every
@@ -27,6 +31,9 @@ from hotswap.entrypoints.server.errors import error_body
 FANNED_POSTS = ("/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache",
                 "/prepare_weight_update", "/update_weight_version")  # fmt: skip
 ALL_TRUE_GETS = {"/is_paused": "is_paused", "/is_sleeping": "is_sleeping"}
+# adapter load route -> its unload route (the same dialect's)
+LORA_LOADS = {"/v1/load_lora_adapter": "/v1/unload_lora_adapter",
+              "/load_lora_adapter": "/unload_lora_adapter"}  # fmt: skip
 
 
 async def on_all(router: Router, request: Request, body: bytes) -> list[httpx.Response | Exception]:
@@ -58,6 +65,26 @@ def first_failure(router: Router, answers: list[httpx.Response | Exception]) -> 
     return None
 
 
+def passed_on(answer: httpx.Response | Exception) -> Response:
+    """An upstream's answer as the router's (status, body and content type)."""
+    assert isinstance(answer, httpx.Response)
+    return Response(answer.content, answer.status_code,
+                    media_type=answer.headers.get("content-type"))  # fmt: skip
+
+
+def forwarded_auth(request: Request) -> dict[str, str]:
+    """The client's credentials, for a request the router makes on its behalf."""
+    auth = request.headers.get("authorization")
+    return {"authorization": auth} if auth else {}
+
+
+def _json_bytes(body: bytes) -> Any:
+    try:
+        return json.loads(body) if body else None
+    except ValueError:
+        return None
+
+
 def _json(answer: httpx.Response) -> Any:
     try:
         return answer.json()
@@ -69,12 +96,22 @@ def add_control_routes(app: FastAPI, router: Router) -> None:
     async def fanned(request: Request) -> Response:
         answers = await on_all(router, request, await request.body())
         failure = first_failure(router, answers)
-        if failure is not None:
-            return failure
-        first = answers[0]
-        assert isinstance(first, httpx.Response)
-        return Response(first.content, first.status_code,
-                        media_type=first.headers.get("content-type"))  # fmt: skip
+        return failure if failure is not None else passed_on(answers[0])
+
+    async def load_adapter(request: Request) -> Response:
+        body = await request.body()
+        answers = await on_all(router, request, body)
+        failure = first_failure(router, answers)
+        if failure is None:
+            return passed_on(answers[0])
+        took = [i for i, a in enumerate(answers) if isinstance(a, httpx.Response) and a.is_success]
+        parsed = _json_bytes(body)
+        name = parsed.get("lora_name") if isinstance(parsed, dict) else None
+        unload = LORA_LOADS[request.url.path]
+        await asyncio.gather(*(router.http.post(router.urls[i] + unload, json={"lora_name": name},
+                                                headers=forwarded_auth(request))
+                               for i in took))  # fmt: skip
+        return failure
 
     async def all_true(request: Request) -> Response:
         answers = await on_all(router, request, b"")
@@ -105,8 +142,10 @@ def add_control_routes(app: FastAPI, router: Router) -> None:
         upstreams = [{"url": u, "status": s} for u, s in zip(router.urls, states)]
         return JSONResponse({"healthy": healthy, "upstreams": upstreams}, 200 if healthy else 503)
 
-    for path in FANNED_POSTS:
+    for path in (*FANNED_POSTS, *LORA_LOADS.values()):
         app.add_api_route(path, fanned, methods=["POST"], include_in_schema=False)
+    for path in LORA_LOADS:
+        app.add_api_route(path, load_adapter, methods=["POST"], include_in_schema=False)
     for path in ALL_TRUE_GETS:
         app.add_api_route(path, all_true, methods=["GET"], include_in_schema=False)
     app.add_api_route("/weight_info", weight_info, methods=["GET"], include_in_schema=False)

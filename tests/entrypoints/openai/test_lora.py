@@ -114,6 +114,11 @@ def test_load_answers_vllm_text_and_models_lists_adapters(http, client, adapters
                  "The lora adapter 'alpha' has already been loaded.")  # fmt: skip
     missing = http.post("/v1/load_lora_adapter", json={"lora_name": "x"})
     assert_error(missing, 400, "body.lora_path", "Both 'lora_name' and 'lora_path' must be")
+    # vLLM's flag for 3-D (stacked-expert) adapters: accepted (the layout is read from the
+    # adapter), here on a dense one
+    flagged = load(http, "flagged", adapters["a"], is_3d_lora_weight=True)
+    assert flagged.status_code == 200, flagged.text
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "flagged"}).status_code == 200
     nul = load(http, "x", Path(f"{adapters['a']}\x00"))
     assert_error(nul, 400, "body.lora_path", "lora_path: must not contain a NUL character")
 

@@ -25,7 +25,7 @@ from tests.weight_transfer.conftest import free_port
 pytestmark = pytest.mark.slow
 
 ARGS = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control",
-        "--weight-transfer-config", '{"backend": "gloo"}')  # fmt: skip
+        "--weight-transfer-config", '{"backend": "gloo"}', "--enable-lora")  # fmt: skip
 # Seconds of work on the tiny model each (its context is 512 tokens)
 LONG = {"model": "tiny", "prompt": "busy", "max_tokens": 480, "n": 8, "ignore_eos": True,
         "stream": True}  # fmt: skip
@@ -196,3 +196,35 @@ def test_a_client_that_leaves_a_plain_request_aborts_it_upstream(stack) -> None:
     wait_for(lambda: in_flight(router) == [0, 0])
     wait_for(lambda: running(upstreams[0]) == 0)
     assert aborted(upstreams[0]) > before
+
+
+def test_adapters_load_on_every_upstream_or_on_none(stack, v1_dir, tmp_path) -> None:  # noqa: ANN001
+    from tests.helpers.tiny_models import write_peft_adapter
+
+    router, upstreams = stack
+    adapter = str(write_peft_adapter(v1_dir, tmp_path / "adapter"))
+
+    def listed(name: str) -> list[bool]:
+        return [name in {m["id"] for m in httpx.get(f"{s.url}/v1/models").json()["data"]}
+                for s in upstreams]  # fmt: skip
+
+    def load(url: str, name: str, path: str) -> httpx.Response:
+        return httpx.post(f"{url}/v1/load_lora_adapter",
+                          json={"lora_name": name, "lora_path": path}, timeout=60)  # fmt: skip
+
+    assert load(router.url, "a", adapter).status_code == 200
+    assert listed("a") == [True, True]
+    for _ in range(4):  # whichever upstream a request goes to has it
+        reply = httpx.post(f"{router.url}/v1/completions", timeout=60,
+                           json={"model": "a", "prompt": "hi", "max_tokens": 2})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+    bad = load(router.url, "bad", str(tmp_path / "missing"))
+    assert bad.status_code == 400 and listed("bad") == [False, False]
+    # upstream 1 already holds "dup": it refuses; upstream 0 takes it, then gives it back
+    assert load(upstreams[1].url, "dup", adapter).status_code == 200
+    refused = load(router.url, "dup", adapter)
+    assert refused.status_code == 400 and "upstream 1" in refused.json()["error"]["message"]
+    assert listed("dup") == [False, True]
+    httpx.post(f"{upstreams[1].url}/v1/unload_lora_adapter", json={"lora_name": "dup"})
+    gone = httpx.post(f"{router.url}/v1/unload_lora_adapter", json={"lora_name": "a"})
+    assert gone.status_code == 200 and listed("a") == [False, False]
