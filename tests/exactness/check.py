@@ -95,6 +95,8 @@ class Tally:
         events["choices with stale tokens"] += any(s.stale for s in obs.spans)
         events["choices on an adapter"] += obs.lora_name is not None
         events["sampled choices"] += obs.request.seed is not None
+        events["choices with a priority"] += obs.request.priority != 0
+        events["choices with KV retained"] += obs.request.kv_retention_s > 0
 
 
 @dataclass(frozen=True)

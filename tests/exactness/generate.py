@@ -70,6 +70,7 @@ def random_spec(rng: random.Random) -> EngineSpec:
         kv_policy=rng.choice(("keep", "recompute")),
         lora=arch == "llama" and rng.random() < 0.35,
         fp8=rng.random() < 0.25,
+        scheduling_policy="priority" if rng.random() < 0.3 else "fcfs",
     )
 
 
@@ -109,6 +110,8 @@ class _Builder:
             ignore_eos=rng.random() < 0.8,
             adapter=rng.randrange(2) if spec.lora and rng.random() < 0.5 else None,
             route=self._route(),
+            priority=rng.choice((0, 0, 0, -1, 1, 7)),
+            kv_retention_s=0.0 if rng.random() < 0.7 else rng.choice((0.5, 60.0)),
         )
         self.submitted.append(request)
         self.steps.append(request)

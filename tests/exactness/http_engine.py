@@ -124,7 +124,12 @@ class HttpEngine:
             seed=request.seed,
             logprobs=0,
             stream=True,
-            extra_body={"return_token_ids": True, "ignore_eos": request.ignore_eos},
+            extra_body={
+                "return_token_ids": True,
+                "ignore_eos": request.ignore_eos,
+                "priority": request.priority,
+                "kv_retention_s": request.kv_retention_s,
+            },  # fmt: skip
         )
         async for chunk in chunks:
             for part in chunk.choices:
@@ -152,7 +157,8 @@ class HttpEngine:
             "logprobs": 0,
         }
         body = {"model": model, "token_ids": list(request.prompt), "stream": True,
-                "sampling_params": params}  # fmt: skip
+                "sampling_params": params, "priority": request.priority,
+                "kv_retention_s": request.kv_retention_s}  # fmt: skip
         async with self.http.stream("POST", "/inference/v1/generate", json=body) as response:
             if response.status_code != 200:
                 raise RuntimeError(

@@ -39,6 +39,7 @@ def engine_args(spec: EngineSpec, root: Path) -> dict[str, Any]:
         enable_sleep_mode=True,
         weight_transfer_config=transfer,
         allowed_weight_dirs=[str(root)],
+        scheduling_policy=spec.scheduling_policy,
     )
     if spec.moe:
         args["enable_return_routed_experts"] = True
@@ -83,7 +84,10 @@ class PythonEngine:
         request = stream.request
         prompt = {"prompt_token_ids": list(request.prompt)}
         params = sampling_params(request)
-        async for out in self.llm.generate(prompt, params, request.key, lora_request=lora):
+        stream_ = self.llm.generate(prompt, params, request.key, lora_request=lora,
+                                    priority=request.priority,
+                                    kv_retention_s=request.kv_retention_s)  # fmt: skip
+        async for out in stream_:
             for completion in out.outputs:
                 stream.choices[completion.index] = _choice(completion)
         self.cached_tokens += out.num_cached_tokens

@@ -171,6 +171,7 @@ def engine_features(spec: EngineSpec) -> list[str]:
         "double buffer": spec.double_buffer,
         "chunked prefill": spec.max_num_batched_tokens < 512,
         "few KV blocks": spec.num_kv_blocks * spec.block_size <= 128,
+        "priority scheduling": spec.scheduling_policy == "priority",
     }
     return [f"engines with {name}" for name, present in features.items() if present]
 

@@ -30,6 +30,7 @@ class EngineSpec:
     kv_policy: str = "keep"  # what a commit does to running requests' KV by default
     lora: bool = False  # LoRA adapters (dense models only)
     fp8: bool = False  # FP8 linear weights (16 x 16 blocks), quantized on load and receipt
+    scheduling_policy: str = "fcfs"  # or "priority": admission by the requests' priority
 
     @property
     def max_model_len(self) -> int:
@@ -57,6 +58,8 @@ class Submit:
     ignore_eos: bool = True
     adapter: int | None = None
     route: str = "completions"
+    priority: int = 0  # vLLM's (lower first under the priority policy)
+    kv_retention_s: float = 0.0  # its KV kept this long after it finishes
 
 
 @dataclass(frozen=True)
@@ -207,4 +210,8 @@ def describe_submit(step: Submit) -> str:
         extras.append(f"lora{step.adapter}")
     if step.route != "completions":
         extras.append(f"route {step.route}")
+    if step.priority:
+        extras.append(f"priority {step.priority}")
+    if step.kv_retention_s:
+        extras.append(f"KV kept {step.kv_retention_s:g} s")
     return f"submit {step.key}: prompt {shown}, {', '.join(extras)}"
