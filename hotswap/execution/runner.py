@@ -337,7 +337,7 @@ class ModelRunner(RankWeights, RankShadow):
         adapters as rank 0 placed them."""
         inputs = self._inputs(batch)
         with self._adapters(lora):
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self._forward(batch, inputs)  # images: each rank encodes its own
         rows = inputs.prompt_rows.rows
         for start in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
             chunk = torch.tensor(rows[start : start + PROMPT_LOGPROBS_CHUNK], device=self.device)

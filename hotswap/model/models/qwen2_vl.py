@@ -83,7 +83,8 @@ class VisionLanguage:
     # Decode steps compile (their three axes agree: plain RoPE, runner.py); CUDA graphs
     # are not captured for them yet.
     compilable = True
-    tensor_parallel = False  # the vision tower is not split across ranks (yet)
+    # The decoder splits across ranks as a text model's; the vision tower is whole on
+    # every rank, each encoding the step's images itself (sharding.py, runner.py).
     multimodal = True
     tower_class: type[nn.Module] = Qwen2_5VisionTower
     interleaved_mrope = False

@@ -50,7 +50,7 @@ def parameter_slice(
 ) -> ShardSlice | None:
     """Where this rank's `local` part of a checkpoint tensor lies in it (None: the rank
     holds it whole). `shard`: which checkpoint tensor of a fused parameter (q/k/v, gate/up)."""
-    if not tp.parallel:
+    if not tp.parallel or param_name.startswith("visual."):  # a vision tower: on every rank
         return None
     if param_name in ("model.embed_tokens", "lm_head"):
         start, rows, _ = vocab_rows(spec.vocab_size, tp)
