@@ -9,6 +9,8 @@ LoRA adapters (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, SGLang'
 /load_lora_adapter and /unload_lora_adapter) go to every upstream too; a load that any
 upstream refuses is unloaded again from those that took it, so a routed request never
 finds its adapter on one upstream and not on another.
+POST /collective_rpc (vLLM's): every upstream's, their `results` in upstream order (each
+upstream's own in its rank order).
 GET /is_paused, /is_sleeping: true when every upstream is, with each one's answer under
 `upstreams`. GET /weight_info: each upstream's under `upstreams`, and the common
 `weight_version` and `digest` when they agree (else null). /health: 200 when every
@@ -113,6 +115,14 @@ def add_control_routes(app: FastAPI, router: Router) -> None:
                                for i in took))  # fmt: skip
         return failure
 
+    async def collective_rpc(request: Request) -> Response:
+        answers = await on_all(router, request, await request.body())
+        failure = first_failure(router, answers)
+        if failure is not None:
+            return failure
+        each = [a.json() for a in answers if isinstance(a, httpx.Response)]
+        return JSONResponse({"results": [r for answer in each for r in answer["results"]]})
+
     async def all_true(request: Request) -> Response:
         answers = await on_all(router, request, b"")
         failure = first_failure(router, answers)
@@ -146,6 +156,8 @@ def add_control_routes(app: FastAPI, router: Router) -> None:
         app.add_api_route(path, fanned, methods=["POST"], include_in_schema=False)
     for path in LORA_LOADS:
         app.add_api_route(path, load_adapter, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/collective_rpc", collective_rpc, methods=["POST"],
+                      include_in_schema=False)  # fmt: skip
     for path in ALL_TRUE_GETS:
         app.add_api_route(path, all_true, methods=["GET"], include_in_schema=False)
     app.add_api_route("/weight_info", weight_info, methods=["GET"], include_in_schema=False)

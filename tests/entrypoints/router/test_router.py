@@ -25,7 +25,8 @@ from tests.weight_transfer.conftest import free_port
 pytestmark = pytest.mark.slow
 
 ARGS = ("--served-model-name", "tiny", "--dtype", "float32", "--enable-control",
-        "--weight-transfer-config", '{"backend": "gloo"}', "--enable-lora")  # fmt: skip
+        "--weight-transfer-config", '{"backend": "gloo"}', "--enable-lora",
+        "--worker-extension-cls", "tests.helpers.gloo_extension:GlooReceiver")  # fmt: skip
 # Seconds of work on the tiny model each (its context is 512 tokens)
 LONG = {"model": "tiny", "prompt": "busy", "max_tokens": 480, "n": 8, "ignore_eos": True,
         "stream": True}  # fmt: skip
@@ -228,3 +229,12 @@ def test_adapters_load_on_every_upstream_or_on_none(stack, v1_dir, tmp_path) -> 
     httpx.post(f"{upstreams[1].url}/v1/unload_lora_adapter", json={"lora_name": "dup"})
     gone = httpx.post(f"{router.url}/v1/unload_lora_adapter", json={"lora_name": "a"})
     assert gone.status_code == 200 and listed("a") == [False, False]
+
+
+def test_collective_rpc_reaches_every_upstream(stack) -> None:  # noqa: ANN001
+    router, _ = stack
+    reply = httpx.post(f"{router.url}/collective_rpc", json={"method": "rank_and_device"})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["results"]) == 2  # one rank on each of the two upstreams
+    bad = httpx.post(f"{router.url}/collective_rpc", json={"method": "no_such_method"})
+    assert bad.status_code == 400 and "upstream 0" in bad.json()["error"]["message"]
