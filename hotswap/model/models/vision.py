@@ -165,8 +165,11 @@ class _PatchEmbed(nn.Module):
         return pixels.to(w.dtype) @ w.reshape(w.shape[0], -1).t()
 
 
-class _Attention(nn.Module):
-    def __init__(self, spec: VisionSpec, dtype: torch.dtype) -> None:
+class VisionAttention(nn.Module):
+    """A tower block's attention (both Qwen towers'): qkv, the 2-D rotary, bidirectional
+    attention within each segment of `groups`, the output projection."""
+
+    def __init__(self, spec: TowerSpec, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
         self.qkv = FrozenLinear(spec.hidden_size, 3 * spec.hidden_size, dtype)
@@ -177,12 +180,12 @@ class _Attention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = torch.empty_like(q)
-        # Each group holds segments of one length L as rows [num_segments, L] of indices into
-        # the sequence: a batch of bidirectional attentions with no mask.
+        # Each group holds segments of one length L (windows, or frames) as rows
+        # [num_segments, L] of indices into the sequence: a batch of bidirectional
+        # attentions with no mask.
         for idx in groups:
             qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [B, heads, L, hd]
-            o = F.scaled_dot_product_attention(qs, ks, vs)
-            out[idx] = o.transpose(1, 2)
+            out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
         return self.proj(out.reshape(n, -1))
 
 
@@ -202,7 +205,7 @@ class _Block(nn.Module):
         super().__init__()
         self.norm1 = _RMSNorm(spec.hidden_size, dtype)
         self.norm2 = _RMSNorm(spec.hidden_size, dtype)
-        self.attn = _Attention(spec, dtype)
+        self.attn = VisionAttention(spec, dtype)
         self.mlp = _MLP(spec, dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Tensor]) -> Tensor:

@@ -26,8 +26,8 @@ from hotswap.model.models.vision import (
     FrozenLinear,
     Grid,
     TowerSpec,
+    VisionAttention,
     VisionTower,
-    apply_rotary,
     length_groups,
     merge_block_positions,
 )
@@ -128,26 +128,6 @@ class _PatchEmbed(nn.Module):
         return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
-class _Attention(nn.Module):
-    def __init__(self, spec: Qwen3VisionSpec, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads = spec.num_heads
-        self.qkv = FrozenLinear(spec.hidden_size, 3 * spec.hidden_size, dtype)
-        self.proj = FrozenLinear(spec.hidden_size, spec.hidden_size, dtype)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Tensor]) -> Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = torch.empty_like(q)
-        # Each group: the frames of one length L as rows [frames, L] of sequence indices; a
-        # batch of bidirectional attentions, no mask (HF's cu_seqlens segments).
-        for idx in groups:
-            qs, ks, vs = (t[idx].transpose(1, 2) for t in (q, k, v))  # [B, heads, L, hd]
-            out[idx] = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
-        return self.proj(out.reshape(n, -1))
-
-
 class _MLP(nn.Module):
     def __init__(self, spec: Qwen3VisionSpec, dtype: torch.dtype) -> None:
         super().__init__()
@@ -164,7 +144,7 @@ class _Block(nn.Module):
         super().__init__()
         self.norm1 = _LayerNorm(spec.hidden_size, dtype)
         self.norm2 = _LayerNorm(spec.hidden_size, dtype)
-        self.attn = _Attention(spec, dtype)
+        self.attn = VisionAttention(spec, dtype)
         self.mlp = _MLP(spec, dtype)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Tensor]) -> Tensor:
