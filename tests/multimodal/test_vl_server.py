@@ -169,3 +169,26 @@ def test_a_requests_mm_processor_kwargs_bound_the_image(served) -> None:  # noqa
     bad = httpx.post(url, json={**body, "mm_processor_kwargs": {"max_pixels": -1}})
     assert bad.status_code == 400
     assert bad.json()["error"]["param"] == "body.mm_processor_kwargs.max_pixels"
+
+
+def test_sglangs_image_data_gives_the_chat_routes_tokens(served) -> None:  # noqa: ANN001
+    """SGLang's /generate with `image_data` (as slime and verl send it): bare base64 or a
+    file path, the placeholder unexpanded in input_ids."""
+    png = (served.media / "a.png").read_bytes()
+    chat = _chat(served, _data_url(png))
+    image_id = json.loads((served.model_dir / "config.json").read_text())["image_token_id"]
+    ids = chat["prompt_token_ids"]
+    first, last = ids.index(image_id), len(ids) - ids[::-1].index(image_id)
+    unexpanded = ids[: first + 1] + ids[last:]
+    params = {"max_new_tokens": 8, "temperature": 0}
+    url = f"{served.server.url}/generate"
+    for image in (base64.b64encode(png).decode(), str(served.media / "a.png")):
+        body = {"input_ids": unexpanded, "image_data": [image], "sampling_params": params}
+        reply = httpx.post(url, json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["output_ids"] == chat["choices"][0]["token_ids"]
+    outside = {"input_ids": unexpanded, "image_data": str(served.root / "outside.png"),
+               "sampling_params": params}  # fmt: skip
+    refused = httpx.post(url, json=outside, timeout=60)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "body.image_data[0]"

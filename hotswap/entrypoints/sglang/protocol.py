@@ -137,7 +137,6 @@ DEFAULT_ONLY = DefaultOnly(
     dict.fromkeys(
         [
             "input_embeds",
-            "image_data",
             "video_data",
             "audio_data",
             "custom_logit_processor",

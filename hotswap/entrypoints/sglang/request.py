@@ -25,6 +25,7 @@ from hotswap.entrypoints.server.limits import off_loop, printable_field
 from hotswap.entrypoints.server.routing import Routing, request_routing
 from hotswap.entrypoints.server.sampling import build_sampling_params
 from hotswap.entrypoints.server.state import get_server_config
+from hotswap.entrypoints.sglang.images import with_images
 from hotswap.entrypoints.sglang.protocol import (
     DEFAULT_ONLY,
     MAX_RID_CHARS,
@@ -55,6 +56,7 @@ async def plan_jobs(
     prompts = await off_loop(  # tokenizing a long prompt must not stall other clients
         lambda: [prepare_prompt(engine, value, param=param) for value, param in inputs]
     )
+    prompts = await off_loop(with_images, engine, prompts, body.image_data, single)
     specs = _logprob_specs(body, prompts)
     routed = _routed_experts(body, prompts)
     jobs = []
