@@ -223,9 +223,11 @@ def json_object(name: str, value: object) -> dict[str, Any]:
             value = json.loads(value)
         except ValueError as e:
             raise InvalidArgument(name, f"{name}: not JSON ({e})") from None
-    if value and not isinstance(value, dict):
+    if value is None or value == "":
+        return {}
+    if not isinstance(value, dict):
         raise InvalidArgument(name, f"{name}: must be a JSON object")
-    return dict(value or {})
+    return dict(value)
 
 
 def allowed_weight_dirs(dirs: object, model_dir: Path) -> tuple[Path, ...]:
@@ -264,14 +266,7 @@ def read_hf_config(
         raise FileNotFoundError(f"model: {config_path} not found")
     with config_path.open() as f:
         config = json.load(f)
-    if isinstance(overrides, str) and overrides:
-        try:
-            overrides = json.loads(overrides)
-        except ValueError as e:
-            raise InvalidArgument("hf_overrides", f"hf_overrides: not JSON ({e})") from None
-    if overrides is not None and not isinstance(overrides, dict):
-        raise InvalidArgument("hf_overrides", "hf_overrides: must be a JSON object")
-    return {**flat_text_config(config), **(overrides or {})}
+    return {**flat_text_config(config), **json_object("hf_overrides", overrides)}
 
 
 def flat_text_config(config: dict[str, Any]) -> dict[str, Any]:

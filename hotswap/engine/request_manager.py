@@ -17,6 +17,7 @@ from hotswap.engine.verbs import ResetPrefixCache
 from hotswap.errors import InvalidArgument
 from hotswap.execution.runner import ModelRunner
 from hotswap.lora.manager import LoRAManager
+from hotswap.multimodal.placement import ImagePlacement
 from hotswap.structured_output import LazyGrammarCompiler
 
 
@@ -46,8 +47,9 @@ class RequestManager:
         self.image_model = ImageModel(config.model.hf_config)
         self.grammars = LazyGrammarCompiler(config.tokenizer or config.model.path, self.vocab_size)
 
-    def validate(self, req: EngineCoreRequest) -> None:
-        """Raise ValueError naming the problem; changes nothing."""
+    def validate(self, req: EngineCoreRequest) -> ImagePlacement | None:
+        """Raise ValueError naming the problem; changes nothing. Returns the request's
+        images as placed in its prompt (None without images)."""
         check_prompt(req.prompt_token_ids, self.vocab_size, self.config.scheduler.max_model_len)
         if req.request_id in self.scheduler.requests:
             raise InvalidArgument("request_id", f"request_id: {req.request_id!r} is already in use")
@@ -55,14 +57,14 @@ class RequestManager:
         req.sampling_params.check_prompt_length(len(req.prompt_token_ids))
         if req.lora_name is not None:
             self.loras.resolve(req.lora_name, self.adapters_in_use())
-        self.image_model.placement(req.prompt_token_ids, req.images)
+        return self.image_model.placement(req.prompt_token_ids, req.images)
 
     def adapters_in_use(self) -> set[int]:
         """The adapter versions unfinished requests hold."""
         return {r.lora.uid for r in self.scheduler.requests.values() if r.lora is not None}
 
     def add(self, req: EngineCoreRequest) -> None:
-        self.validate(req)
+        images = self.validate(req)
         request = Request(
             req.request_id,
             req.prompt_token_ids,
@@ -72,7 +74,7 @@ class RequestManager:
             req.cache_salt,
             req.priority,
             req.kv_retention_s,
-            self.image_model.placement(req.prompt_token_ids, req.images),
+            images,
         )
         request.lora = self.loras.resolve(req.lora_name, self.adapters_in_use())
         constraint = req.sampling_params.structured_outputs

@@ -34,8 +34,7 @@ class ImageInputs:
 
     def step(self, plan: ImageRows) -> ImageStep:
         """The model's `images` argument for a step."""
-        rope = np.concatenate(plan.rope_positions, axis=1)
-        rope_positions = torch.from_numpy(np.ascontiguousarray(rope)).to(self.device)
+        rope_positions = torch.from_numpy(plan.positions).to(self.device)
         if not plan.slices:
             return ImageStep(rope_positions)
         embeds = self._embeddings([image for _, image, _, _ in plan.slices])
@@ -85,7 +84,7 @@ def text_positions(plan: ImageRows, device: torch.device) -> torch.Tensor | None
     can run through the compiled decode graphs. None otherwise."""
     if plan.slices:
         return None
-    rope = np.concatenate(plan.rope_positions, axis=1)
+    rope = plan.positions
     if not (rope == rope[0]).all():
         return None
     return torch.from_numpy(np.ascontiguousarray(rope[0])).to(device)

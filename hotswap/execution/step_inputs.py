@@ -3,6 +3,7 @@ sends every tensor-parallel rank), then the tensors and attention metadata of a 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,11 @@ class ImageRows:
 
     rope_positions: list[np.ndarray] = field(default_factory=list)
     slices: list[tuple[int, PlacedImage, int, int]] = field(default_factory=list)
+
+    @functools.cached_property
+    def positions(self) -> np.ndarray:
+        """Every row's positions [3, rows], joined once per step (once planned)."""
+        return np.ascontiguousarray(np.concatenate(self.rope_positions, axis=1))
 
 
 @dataclass

@@ -9,7 +9,6 @@ runner reads each row's position on the three M-RoPE axes from here.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -125,11 +124,3 @@ def _runs(ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
         else:
             runs.append((i, 1))
     return runs
-
-
-def pixels_hash(pixel_values: np.ndarray, grid_thw: Sequence[int]) -> str:
-    """The content hash of processed pixels and their grid."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(np.asarray(grid_thw, dtype=np.int64).tobytes())
-    digest.update(np.ascontiguousarray(pixel_values, dtype=np.float32).tobytes())
-    return digest.hexdigest()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from hotswap.config import MediaConfig
 from hotswap.errors import InvalidArgument
 from hotswap.multimodal.images import (
     ImageProcessorConfig,
@@ -43,7 +44,7 @@ class PromptImages:
     """A multimodal model's image front-end, with the server's media limits (vLLM's
     --limit-mm-per-prompt, --allowed-local-media-path, --allowed-media-domains)."""
 
-    def __init__(self, model_dir: Path, hf_config: dict[str, Any], media: Any) -> None:
+    def __init__(self, model_dir: Path, hf_config: dict[str, Any], media: MediaConfig) -> None:
         processor = ImageProcessorConfig.from_model_dir(model_dir)
         self.processor = processor.with_overrides(media.processor_kwargs, "mm_processor_kwargs")
         self.token_id = int(hf_config["image_token_id"])
@@ -51,7 +52,7 @@ class PromptImages:
 
     @classmethod
     def for_model(cls, model_dir: Path, hf_config: dict[str, Any],
-                  media: Any) -> PromptImages | None:  # fmt: skip
+                  media: MediaConfig) -> PromptImages | None:  # fmt: skip
         """None for a model that takes no images."""
         if "vision_config" not in hf_config or "image_token_id" not in hf_config:
             return None

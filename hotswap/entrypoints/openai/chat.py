@@ -69,7 +69,9 @@ from hotswap.entrypoints.server.errors import bad_request
 from hotswap.entrypoints.server.limits import check_request_chat_template, off_loop
 from hotswap.entrypoints.server.routing import request_routing
 from hotswap.entrypoints.server.state import ServerConfig, get_engine, get_server_config
+from hotswap.lora.request import LoRARequest
 from hotswap.outputs import CompletionOutput, Logprob, RequestOutput
+from hotswap.sampling_params import SamplingParams
 
 
 @dataclass
@@ -94,14 +96,17 @@ class ChatContext:
         )
 
 
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+async def prepare_chat(
+    body: ChatCompletionRequest, request: Request
+) -> tuple[LoRARequest | None, SamplingParams, EnginePrompt]:
+    """What every chat route starts with (the completion, and its render): the request
+    checked, its adapter, sampling parameters and rendered prompt."""
     engine = get_engine(request)
     lora = check_model(request, body.model)
     check_unsupported(body)
     apply_server_flags(request, body)
     _check_chat_options(body)
-    server = get_server_config(request)
-    check_tool_request(body, server)
+    check_tool_request(body, get_server_config(request))
     check_request_chat_template(request, body.chat_template, "body.chat_template")
     max_tokens = completion_max_tokens(body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -115,6 +120,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     prompt = await off_loop(render_chat, engine, body)  # templates and long prompts take time
     check_context_length(engine, prompt, max_tokens, max_tokens_param(body))
+    return lora, sampling, prompt
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    engine = get_engine(request)
+    server = get_server_config(request)
+    lora, sampling, prompt = await prepare_chat(body, request)
     prompt.cache_salt, prompt.lora_request = body.cache_salt, lora
     server.structured_outputs.apply(sampling.structured_outputs)
     thinking = starts_thinking(body, server, prompt.text or "")

@@ -100,29 +100,6 @@ def add_control_routes(app: FastAPI, router: Router) -> None:
         failure = first_failure(router, answers)
         return failure if failure is not None else passed_on(answers[0])
 
-    async def load_adapter(request: Request) -> Response:
-        body = await request.body()
-        answers = await on_all(router, request, body)
-        failure = first_failure(router, answers)
-        if failure is None:
-            return passed_on(answers[0])
-        took = [i for i, a in enumerate(answers) if isinstance(a, httpx.Response) and a.is_success]
-        parsed = _json_bytes(body)
-        name = parsed.get("lora_name") if isinstance(parsed, dict) else None
-        unload = LORA_LOADS[request.url.path]
-        await asyncio.gather(*(router.http.post(router.urls[i] + unload, json={"lora_name": name},
-                                                headers=forwarded_auth(request))
-                               for i in took))  # fmt: skip
-        return failure
-
-    async def collective_rpc(request: Request) -> Response:
-        answers = await on_all(router, request, await request.body())
-        failure = first_failure(router, answers)
-        if failure is not None:
-            return failure
-        each = [a.json() for a in answers if isinstance(a, httpx.Response)]
-        return JSONResponse({"results": [r for answer in each for r in answer["results"]]})
-
     async def all_true(request: Request) -> Response:
         answers = await on_all(router, request, b"")
         failure = first_failure(router, answers)
@@ -154,11 +131,41 @@ def add_control_routes(app: FastAPI, router: Router) -> None:
 
     for path in (*FANNED_POSTS, *LORA_LOADS.values()):
         app.add_api_route(path, fanned, methods=["POST"], include_in_schema=False)
-    for path in LORA_LOADS:
-        app.add_api_route(path, load_adapter, methods=["POST"], include_in_schema=False)
-    app.add_api_route("/collective_rpc", collective_rpc, methods=["POST"],
-                      include_in_schema=False)  # fmt: skip
+    add_merged_routes(app, router)
     for path in ALL_TRUE_GETS:
         app.add_api_route(path, all_true, methods=["GET"], include_in_schema=False)
     app.add_api_route("/weight_info", weight_info, methods=["GET"], include_in_schema=False)
     app.add_api_route("/health", health, methods=["GET"], include_in_schema=False)
+
+
+def add_merged_routes(app: FastAPI, router: Router) -> None:
+    """The fanned routes whose answers are more than the first one's: an adapter load
+    (undone where it took when another upstream refused it) and /collective_rpc."""
+
+    async def load_adapter(request: Request) -> Response:
+        body = await request.body()
+        answers = await on_all(router, request, body)
+        failure = first_failure(router, answers)
+        if failure is None:
+            return passed_on(answers[0])
+        took = [i for i, a in enumerate(answers) if isinstance(a, httpx.Response) and a.is_success]
+        parsed = _json_bytes(body)
+        name = parsed.get("lora_name") if isinstance(parsed, dict) else None
+        unload = LORA_LOADS[request.url.path]
+        await asyncio.gather(*(router.http.post(router.urls[i] + unload, json={"lora_name": name},
+                                                headers=forwarded_auth(request))
+                               for i in took))  # fmt: skip
+        return failure
+
+    async def collective_rpc(request: Request) -> Response:
+        answers = await on_all(router, request, await request.body())
+        failure = first_failure(router, answers)
+        if failure is not None:
+            return failure
+        each = [a.json() for a in answers if isinstance(a, httpx.Response)]
+        return JSONResponse({"results": [r for answer in each for r in answer["results"]]})
+
+    for path in LORA_LOADS:
+        app.add_api_route(path, load_adapter, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/collective_rpc", collective_rpc, methods=["POST"],
+                      include_in_schema=False)  # fmt: skip

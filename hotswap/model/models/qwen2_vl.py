@@ -18,14 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hotswap.model.attention import AttentionBackend, AttentionMetadata
+from hotswap.model.attention import AttentionMetadata
 from hotswap.model.layers import RopeTable, RotaryEmbedding
 from hotswap.model.models.decoder import ImageEmbeds
 from hotswap.model.models.qwen2 import Qwen2ForCausalLM
 from hotswap.model.models.qwen3 import Qwen3ForCausalLM
 from hotswap.model.models.vision import Qwen2_5VisionTower
 from hotswap.model.models.vision_qwen3 import Qwen3VisionTower
-from hotswap.model.parallel import TPGroup
 
 # Checkpoint prefixes: transformers 5's module names (what a trainer's named_parameters()
 # gives) -> the original checkpoints' (what the model's parameters are named after).
@@ -93,15 +92,9 @@ class VisionLanguage:
     def graphable(self) -> bool:
         return False
 
-    def __init__(
-        self,
-        hf_config: dict[str, Any],
-        dtype: torch.dtype,
-        backend: AttentionBackend,
-        batch_invariant: bool = False,
-        head_dtype: torch.dtype | None = None,
-        tp: TPGroup | None = None,
-    ) -> None:
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype, *args: Any,
+                 **kwargs: Any) -> None:  # fmt: skip
+        """The decoder class's arguments (LlamaForCausalLM's)."""
         rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
         section = rope.pop("mrope_section", None)
         rope.pop("mrope_interleaved", None)
@@ -109,7 +102,7 @@ class VisionLanguage:
             rope.pop("type", None)
             rope["rope_type"] = "default"
         text = {**hf_config, "rope_parameters": rope, "rope_scaling": None}
-        super().__init__(text, dtype, backend, batch_invariant, head_dtype, tp)  # type: ignore[call-arg]
+        super().__init__(text, dtype, *args, **kwargs)  # type: ignore[call-arg]
         spec = self.spec
         if section is None:
             raise ValueError("config.json: rope_parameters.mrope_section is missing")

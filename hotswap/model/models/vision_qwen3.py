@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hotswap.model.models.vision import (
+from hotswap.model.models.vision_base import (
     AxialRotary,
     FrozenLinear,
     Grid,
     TowerSpec,
-    VisionAttention,
+    VisionBlock,
     VisionTower,
     length_groups,
     merge_block_positions,
@@ -139,19 +139,6 @@ class _MLP(nn.Module):
         return self.linear_fc2(self.act(self.linear_fc1(x)))
 
 
-class _Block(nn.Module):
-    def __init__(self, spec: Qwen3VisionSpec, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.norm1 = _LayerNorm(spec.hidden_size, dtype)
-        self.norm2 = _LayerNorm(spec.hidden_size, dtype)
-        self.attn = VisionAttention(spec, dtype)
-        self.mlp = _MLP(spec, dtype)
-
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, groups: list[Tensor]) -> Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, groups)
-        return x + self.mlp(self.norm2(x))
-
-
 class _Merger(nn.Module):
     """merge**2 consecutive patch rows (one unit, in merge-block order) -> one output row."""
 
@@ -237,7 +224,9 @@ class Qwen3VisionTower(VisionTower):
         self.patch_embed = _PatchEmbed(spec, dtype)
         self.pos_embed = nn.Module()
         self.pos_embed.weight = _param(spec.num_position_embeddings, spec.hidden_size, dtype=dtype)
-        self.blocks = nn.ModuleList([_Block(spec, dtype) for _ in range(spec.depth)])
+        self.blocks = nn.ModuleList(
+            [VisionBlock(spec, dtype, _LayerNorm, _MLP(spec, dtype)) for _ in range(spec.depth)]
+        )
         self.merger = _Merger(spec, dtype, postshuffle=False)
         self.deepstack_merger_list = nn.ModuleList(
             [_Merger(spec, dtype, postshuffle=True) for _ in spec.deepstack_visual_indexes]
