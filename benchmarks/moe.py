@@ -15,13 +15,15 @@ hotswap runs with and without `--enable-return-routed-experts` (alternating, bes
 own venv (`--with-vllm`); `--parallel` adds two ranks, splitting every expert
 (`tensor_parallel_size=2`) and holding half of them whole each (`enable_expert_parallel`).
 `--expert-lora` adds one engine with LoRA on, every request on a peft adapter of rank 16 on
-the routed experts (and q/v) against every request on the base model. Then the experts'
-products alone: hotswap's fused call (one
-C++ call per layer), the same products launched per expert from Python, and one padded
+the routed experts (and q/v) against every request on the base model. `--fp8` adds an
+engine with `--quantization fp8` (128 x 128 blocks: the routed experts, attention and
+shared layers in FP8; router, embeddings and LM head in bf16), alternating with the others.
+Then the experts' products alone: hotswap's fused call (one C++ call per layer), the same
+products launched per expert from Python, and one padded
 batched matmul over every expert.
 
     python benchmarks/moe.py [--experts 16] [--top-k 2] [--repeats 2] [--with-vllm]
-                             [--parallel] [--expert-lora]
+                             [--parallel] [--expert-lora] [--fp8]
                              [--out benchmarks/results/moe-....json]
 """
 
@@ -277,6 +279,8 @@ def main() -> None:
                         help="also two ranks: tensor against expert parallelism")  # fmt: skip
     parser.add_argument("--expert-lora", action="store_true",
                         help="also an adapter on the routed experts against the base")  # fmt: skip
+    parser.add_argument("--fp8", action="store_true",
+                        help="also an engine with FP8 weights (--quantization fp8)")  # fmt: skip
     args = parser.parse_args()
     if args.vllm_worker:
         vllm_worker(args.vllm_worker, args.repeats)
@@ -290,6 +294,8 @@ def main() -> None:
     engines = {"hotswap": LLM(str(model_dir), **common),
                "hotswap, routed experts returned": LLM(
                    str(model_dir), enable_return_routed_experts=True, **common)}  # fmt: skip
+    if args.fp8:
+        engines["hotswap, fp8 weights"] = LLM(str(model_dir), quantization="fp8", **common)
     best = best_of(engines, args.repeats)
     del engines
     if args.parallel:

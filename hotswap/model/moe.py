@@ -32,9 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from hotswap.errors import InvalidArgument
 from hotswap.model.kernels import LayerKernels
 from hotswap.model.layers import Linear, linear, silu_and_mul, tiled_linear
 from hotswap.model.parallel import TPGroup, even_split
+from hotswap.model.quantized import Fp8Stack
+from hotswap.quantization.fp8 import Fp8Config
 
 
 @dataclass(frozen=True)
@@ -103,16 +106,33 @@ class FusedExperts(nn.Module):
         )
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), False)
         self.invariant = invariant
-        self.kernels: LayerKernels | None = None  # GEMV and fused activation when set
+        self.compute_dtype = dtype  # the activations' (the weights' too, unless FP8)
+        self.fp8: dict[str, Fp8Stack] | None = None  # set before `kernels` (its setter reads it)
+        self.kernels = None  # GEMV and fused activation (LayerKernels) when set
         self.lora: Any = None  # adapter slots (lora/experts.py ExpertLoRA) when LoRA is on
+
+    def quantize(self, config: Fp8Config, name: str, tp: TPGroup) -> None:
+        """FP8 storage for both stacked parameters, before any weight is loaded. Each
+        expert's gate and up rows must be whole blocks (they share one grid), and so must
+        a tensor-parallel rank's share of down's columns (vLLM's rules for FP8 experts)."""
+        inter = self.down_proj.shape[2]
+        if inter % config.block[0] or (tp.parallel and not tp.expert_parallel
+                                       and inter % config.block[1]):  # fmt: skip
+            field = "quantization_config.weight_block_size"
+            raise InvalidArgument(field, f"{field}: {list(config.block)} does not divide "
+                                  f"{name}'s intermediate size on this rank ({inter})")  # fmt: skip
+        # FP8 codes in the stacked parameters, their scales beside (`gate_up_proj_scale_inv`,
+        # `down_proj_scale_inv`, transformers' names); None: the model dtype
+        self.fp8 = {p: Fp8Stack(self, p, config) for p in ("gate_up_proj", "down_proj")}
+        self.kernels = self.kernels  # the layouts take the kernels too
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]), for each token t
         (each expert with the adapter of t's row, if any); an id of -1 adds nothing."""
-        fused = self.kernels.fused_moe if self.kernels is not None else None
+        fused = self.fused_op()
         adapters = self.lora.active_slots() if self.lora is not None else []
         if fused is not None and not self.invariant and not adapters:  # no host sync
-            return fused(x, self.gate_up_proj, self.down_proj, ids, weights)
+            return self._call_fused(fused, x, ids, weights)
         tokens, top_k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -125,14 +145,13 @@ class FusedExperts(nn.Module):
         rows = x.index_select(0, order // top_k)
         # Two passes over the experts hit, the activation once between them: per expert
         # only its two products run from Python (decode hits many experts with 1-2 rows).
-        up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        gate_up = torch.cat([self._linear(segment, up[expert])
+        gate_up = torch.cat([self._linear(segment, "gate_up_proj", expert)
                              for segment, expert in zip(rows.split(sizes), hit)])  # fmt: skip
         if adapters:
             pairs = (order // top_k, flat[order])  # each grouped row's token and expert
             self.lora.add("gate_up_proj", rows, gate_up, *pairs, adapters)
         hidden = self.kernels.silu_and_mul(gate_up) if self.kernels else silu_and_mul(gate_up)
-        grouped = torch.cat([self._linear(segment, down[expert])
+        grouped = torch.cat([self._linear(segment, "down_proj", expert)
                              for segment, expert in zip(hidden.split(sizes), hit)])  # fmt: skip
         if adapters:
             self.lora.add("down_proj", hidden, grouped, *pairs, adapters)
@@ -143,7 +162,36 @@ class FusedExperts(nn.Module):
         out[order] = grouped  # back to (token, slot) order
         return mix_slots(out.view(tokens, top_k, -1), weights).to(x.dtype)
 
-    def _linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    @property
+    def kernels(self) -> LayerKernels | None:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: LayerKernels | None) -> None:
+        self._kernels = kernels
+        for stack in (self.fp8 or {}).values():
+            stack.fp8.kernels = kernels
+
+    def fused_op(self):  # noqa: ANN202 - an op, or None
+        """The kernel that runs the step's experts in one call over this layer's weights
+        (their dtype's), if there is one here."""
+        if self.kernels is None:
+            return None
+        return self.kernels.fused_moe if self.fp8 is None else self.kernels.fused_moe_fp8
+
+    def _call_fused(self, op, x: torch.Tensor, ids: torch.Tensor,  # noqa: ANN001
+                    weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        if self.fp8 is None:
+            return op(x, self.gate_up_proj, self.down_proj, ids, weights)
+        up, down = self.fp8["gate_up_proj"], self.fp8["down_proj"]
+        return op(x, up.weight, up.weight_scale_inv, down.weight, down.weight_scale_inv, ids,
+                  weights, up.fp8.block[0], up.fp8.block[1])  # fmt: skip
+
+    def _linear(self, x: torch.Tensor, parameter: str, expert: int) -> torch.Tensor:
+        """x through expert `expert`'s `parameter` (gate_up_proj or down_proj)."""
+        if self.fp8 is not None:
+            return self.fp8[parameter].linear(x, expert, tiled_linear if self.invariant else None)
+        weight = getattr(self, parameter)[expert]
         if self.invariant:
             return tiled_linear(x, weight, None)
         matvec = self.kernels.gemv if self.kernels is not None else None

@@ -128,6 +128,33 @@ def quantize_linear(module: nn.Module, shard_sizes: list[int], config: Fp8Config
     module.fp8 = layout
 
 
+class Fp8Stack:
+    """FP8 storage of a mixture of experts' stacked parameter (`gate_up_proj` or
+    `down_proj`), read as a linear layer's is: `weight` the codes [experts, rows, columns],
+    `weight_scale_inv` the scales [experts, scale rows, scale columns], `fp8` the layout of
+    one expert's matrix (every expert's is alike: its rows, gate and up ones included, are
+    whole blocks, vLLM's rule for FP8 experts)."""
+
+    def __init__(self, owner: nn.Module, name: str, config: Fp8Config) -> None:
+        experts, rows, columns = getattr(owner, name).shape
+        device = getattr(owner, name).device
+        self.weight = nn.Parameter(
+            torch.empty(experts, rows, columns, dtype=FP8_DTYPE, device=device), False
+        )
+        self.fp8 = Fp8Layout.for_shards([rows], config.block, device)
+        scale_cols = -(-columns // config.block[1])
+        self.weight_scale_inv = nn.Parameter(torch.ones(
+            experts, self.fp8.num_scale_rows, scale_cols, dtype=torch.float32, device=device
+        ), False)  # fmt: skip
+        setattr(owner, name, self.weight)
+        setattr(owner, scale_name_of(name), self.weight_scale_inv)
+
+    def linear(self, x: torch.Tensor, expert: int, invariant_linear: object = None) -> torch.Tensor:
+        """x @ expert `expert`'s dequantized matrix^T."""
+        codes, scales = self.weight[expert], self.weight_scale_inv[expert]
+        return fp8_linear(x, codes, scales, self.fp8, None, invariant_linear)
+
+
 def receipt_refusal(
     name: str, sent: torch.dtype, dest: torch.dtype, checkpoint: bool
 ) -> tuple[str, str] | None:
@@ -150,22 +177,46 @@ def receipt_refusal(
     return None
 
 
+def scale_name_of(param_name: str) -> str:
+    """The scale parameter of FP8 codes `param_name`: a linear layer's `weight` ->
+    `weight_scale_inv`; stacked experts' `gate_up_proj` -> `gate_up_proj_scale_inv`
+    (transformers' names for FP8 experts)."""
+    if param_name.endswith(".weight"):
+        return param_name[: -len("weight")] + SCALE_NAME
+    return f"{param_name}_scale_inv"
+
+
 def scale_view_for(module: nn.Module, codes_view: torch.Tensor) -> torch.Tensor:
-    """The scale rows of `codes_view`, a range of whole rows of FP8 layer `module`'s
-    codes (a checkpoint tensor's, or this rank's share of one), as its `weight` holds them."""
+    """The scale rows of `codes_view`, as FP8 layer `module`'s `weight` holds them: a
+    range of whole rows of a 2-D weight or of one expert's matrix (a checkpoint tensor's,
+    or this rank's share of one), or a 3-D stack of experts' matrices (all their rows or
+    one range of rows of each), whose scales are then [experts, scale rows, columns]."""
     param = module.weight.data
-    first_row = (codes_view.storage_offset() - param.storage_offset()) // param.shape[1]
     layout: Fp8Layout = module.fp8
-    first = int(layout.scale_rows[first_row])
-    count = -(-codes_view.shape[0] // layout.block[0])
-    return module.weight_scale_inv.data.narrow(0, first, count)
+    scales = module.weight_scale_inv.data
+    offset = codes_view.storage_offset() - param.storage_offset()
+    count = -(-codes_view.shape[-2] // layout.block[0])
+    if param.dim() == 2:
+        return scales.narrow(0, int(layout.scale_rows[offset // param.shape[1]]), count)
+    # stacked experts: `layout` is one expert's matrix's (every expert's alike)
+    expert, offset = divmod(offset, param.stride(0))
+    first = int(layout.scale_rows[offset // param.shape[-1]])
+    if codes_view.dim() == 3:
+        return scales[expert : expert + codes_view.shape[0]].narrow(1, first, count)
+    return scales[expert].narrow(0, first, count)
 
 
 @torch.no_grad()
 def quantize_into(
     layout: Fp8Layout, codes_view: torch.Tensor, scale_view: torch.Tensor, tensor: torch.Tensor
 ) -> None:
-    """A checkpoint tensor's part (bf16/float32) quantized into its codes and scales."""
+    """A checkpoint tensor's part (bf16/float32) quantized into its codes and scales; a
+    3-D part (stacked experts) one expert's matrix at a time, as a checkpoint that names
+    each expert's projections quantizes them."""
+    if codes_view.dim() == 3:
+        for codes, scales, part in zip(codes_view, scale_view, tensor, strict=True):
+            quantize_into(layout, codes, scales, part)
+        return
     codes, scales = quantize_blockwise(tensor.to(codes_view.device), layout.block)
     codes_view.copy_(codes)
     scale_view.copy_(scales)
@@ -182,7 +233,16 @@ def requantize_delta(
     """A sparse delta (flat `indices` of `codes_view` set to `values`) into FP8 codes: the
     blocks it touches are dequantized, written and quantized again; the others keep their
     codes and scales, so the result is what loading the dequantized weight with the delta
-    applied gives. It costs a dequantization and quantization of the tensor's part."""
+    applied gives. It costs a dequantization and quantization of the tensor's part (of
+    each expert's matrix the delta touches, for a 3-D stack of experts)."""
+    if codes_view.dim() == 3:
+        per_expert = codes_view[0].numel()
+        experts = indices // per_expert
+        for e in torch.unique(experts).tolist():
+            mine = experts == e
+            local, part = indices[mine] - e * per_expert, values[mine.to(values.device)]
+            requantize_delta(layout, codes_view[e], scale_view[e], local, part)
+        return
     dense = dequantize_blockwise(codes_view, scale_view, layout.block, torch.float32)
     dense.view(-1)[indices] = values.to(dense.device, torch.float32)
     codes, scales = quantize_blockwise(dense, layout.block)

@@ -40,7 +40,12 @@ from hotswap.errors import InvalidArgument
 from hotswap.execution.ranks import on_every_rank
 from hotswap.model.packed import available_bytes
 from hotswap.model.parallel import ShardSlice, TPGroup
-from hotswap.model.quantized import SCALE_NAME, quantize_into, requantize_delta, scale_view_for
+from hotswap.model.quantized import (
+    quantize_into,
+    requantize_delta,
+    scale_name_of,
+    scale_view_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +197,7 @@ class RankShadow:
         layer = getattr(self.model, "quantized_layer", lambda _: None)(target[0])
         scales = None
         if layer is not None:  # FP8: the part's scale rows are written (and swapped) too
-            scale_name = target[0][: -len("weight")] + SCALE_NAME
+            scale_name = scale_name_of(target[0])
             scales = shadow.destination(scale_view_for(layer, target[1]), scale_name, True)
         if not sparse:
             part = item if piece is None else piece.take(item)

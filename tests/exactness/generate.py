@@ -70,6 +70,7 @@ def random_spec(rng: random.Random) -> EngineSpec:
         kv_policy=rng.choice(("keep", "recompute")),
         lora=arch == "llama" and rng.random() < 0.35,
         fp8=rng.random() < 0.25,
+        kv_fp8=rng.random() < 0.2,
         scheduling_policy="priority" if rng.random() < 0.3 else "fcfs",
     )
 

@@ -46,6 +46,8 @@ def engine_args(spec: EngineSpec, root: Path) -> dict[str, Any]:
     if spec.fp8:
         config = {"quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
         args.update(quantization="fp8", hf_overrides={"quantization_config": config})
+    if spec.kv_fp8:
+        args["kv_cache_dtype"] = "fp8"
     if spec.lora:
         args.update(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=MAX_LORA_RANK)
     return args

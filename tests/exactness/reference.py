@@ -43,25 +43,35 @@ class Reference:
         self._scores: OrderedDict[tuple, Scored] = OrderedDict()
         self.forwards = 0
 
-    def model(self, arch: str, state: WeightState, adapter: Path | None) -> torch.nn.Module:
-        key = (state.key, None if adapter is None else str(adapter))
+    def model(
+        self, arch: str, state: WeightState, adapter: Path | None, kv_fp8: bool = False
+    ) -> torch.nn.Module:
+        key = (state.key, None if adapter is None else str(adapter), kv_fp8)
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        model = _build(self.configs[arch], state, adapter)
+        model = _build(self.configs[arch], state, adapter, kv_fp8)
         self._models[key] = model
         if len(self._models) > MAX_MODELS:
             self._models.popitem(last=False)
         return model
 
     def score(
-        self, arch: str, state: WeightState, adapter: Path | None, ids: tuple[int, ...]
+        self,
+        arch: str,
+        state: WeightState,
+        adapter: Path | None,
+        ids: tuple[int, ...],
+        kv_fp8: bool = False,
     ) -> Scored:
-        key = (state.key, None if adapter is None else str(adapter), ids)
+        """`kv_fp8`: attention reads keys and values quantized to e4m3 and back (scale
+        1, as an FP8 cache without checkpoint scales holds them)."""
+        key = (state.key, None if adapter is None else str(adapter), ids, kv_fp8)
         if key in self._scores:
             self._scores.move_to_end(key)
             return self._scores[key]
-        scored = self._forward(self.model(arch, state, adapter), arch != "llama", ids)
+        model = self.model(arch, state, adapter, kv_fp8)
+        scored = self._forward(model, arch != "llama", ids)
         self._scores[key] = scored
         if len(self._scores) > MAX_SCORES:
             self._scores.popitem(last=False)
@@ -83,11 +93,32 @@ class Reference:
         return Scored(logprobs, probs, experts)
 
 
-def _build(config: object, state: WeightState, adapter: Path | None) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+FP8_KV_ATTENTION = "exactness_fp8_kv"  # transformers' attention, over quantized K/V
+
+
+def _fp8_kv_attention(module, query, key, value, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    """sdpa over keys and values as an FP8 cache (scale 1) gives them back: quantized with
+    the engine's own rounding (saturated, nearest even), which vLLM's is too."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, _fp8(key), _fp8(value), *args, **kwargs)
+
+
+def _fp8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def _build(
+    config: object, state: WeightState, adapter: Path | None, kv_fp8: bool = False
+) -> torch.nn.Module:
+    from transformers import AttentionInterface, AutoModelForCausalLM
 
     assert state.tensors is not None, "no reference for weights that were incomplete"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    extra = {}
+    if kv_fp8:
+        AttentionInterface.register(FP8_KV_ATTENTION, _fp8_kv_attention)
+        extra["attn_implementation"] = FP8_KV_ATTENTION
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
     model.load_state_dict(state.tensors, strict=True)
     if adapter is not None:
         import peft

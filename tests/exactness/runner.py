@@ -119,6 +119,7 @@ class Checker:
             self.reference,
             engine.eos_token_id,
             schedule.engine.max_model_len,
+            schedule.engine.kv_fp8,
         )
         counted = Tally(events=outcome.events)
         counted.events.update(engine_features(schedule.engine))
@@ -166,6 +167,7 @@ def engine_features(spec: EngineSpec) -> list[str]:
         "mixture of experts": spec.moe,
         "LoRA": spec.lora,
         "FP8 weights": spec.fp8,
+        "an FP8 KV cache": spec.kv_fp8,
         "sparse backend": spec.backend == "sparse",
         "in-flight rounds": spec.in_flight,
         "double buffer": spec.double_buffer,

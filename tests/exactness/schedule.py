@@ -30,6 +30,7 @@ class EngineSpec:
     kv_policy: str = "keep"  # what a commit does to running requests' KV by default
     lora: bool = False  # LoRA adapters (dense models only)
     fp8: bool = False  # FP8 linear weights (16 x 16 blocks), quantized on load and receipt
+    kv_fp8: bool = False  # an FP8 KV cache (e4m3, scale 1): checked within looser tolerances
     scheduling_policy: str = "fcfs"  # or "priority": admission by the requests' priority
 
     @property

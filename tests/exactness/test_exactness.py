@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.exactness import weights
+from tests.exactness import reference, weights
 from tests.exactness.generate import HTTP_SPECS
 from tests.exactness.planted import PLANTS, planted
+from tests.exactness.reference import Reference
 from tests.exactness.runner import HTTP_RUN, Budget, Checker, run
 from tests.exactness.schedule import (
     Await,
@@ -187,3 +188,31 @@ def test_fp8_rounds_are_exact(python_checker: Checker, monkeypatch: pytest.Monke
     monkeypatch.setattr(weights, "as_served", lambda state, key: state)
     failures = python_checker.check(FP8_ROUNDS)
     assert failures and failures[0].kind in ("logprob", "token"), failures
+
+
+# An FP8 mixture of experts (its routed experts quantized too) over an FP8 KV cache: a
+# whole round with the running request's KV recomputed, then another under a pause.
+FP8_MOE_OVER_AN_FP8_CACHE = Schedule(
+    EngineSpec("qwen3_moe", block_size=8, num_kv_blocks=64, fp8=True, kv_fp8=True),
+    (
+        Submit("r0", PROMPT, max_tokens=24),
+        Await("r0", 4),
+        Round("whole", 3, kv_policy="recompute"),
+        Await("r0", 12),
+        Pause("keep", clear_cache=True),
+        Round("whole", 2),
+        Resume(),
+    ),
+)
+
+
+@pytest.mark.slow
+def test_an_fp8_cache_is_checked_against_quantized_kv(
+    python_checker: Checker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert python_checker.check(FP8_MOE_OVER_AN_FP8_CACHE) == []
+    # and the check can fail: a reference whose attention reads unquantized K/V
+    monkeypatch.setattr(reference, "_fp8", lambda x: x)
+    monkeypatch.setattr(python_checker, "reference", Reference(python_checker.reference.configs))
+    failures = python_checker.check(FP8_MOE_OVER_AN_FP8_CACHE)
+    assert failures and failures[0].kind in ("logprob", "token", "experts"), failures

@@ -118,8 +118,13 @@ def plan_round(
 
 FP8_BLOCK = (16, 16)
 # The checkpoint tensors an FP8 engine stores quantized: the attention and MLP projections
-# (a shared expert's too); not the embeddings, norms, router or stacked routed experts.
-_FP8_SUFFIXES = tuple(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down"))
+# (a shared expert's and the routed experts' too, stacked or per expert); not the
+# embeddings, norms or router.
+_FP8_SUFFIXES = (
+    *(f"{p}_proj.weight" for p in ("q", "k", "v", "o", "gate", "up", "down")),
+    ".mlp.experts.gate_up_proj",
+    ".mlp.experts.down_proj",
+)
 
 
 def as_served(state: WeightState, key: str) -> WeightState:
@@ -129,11 +134,16 @@ def as_served(state: WeightState, key: str) -> WeightState:
     (a delta requantizes only the blocks it touches)."""
     from hotswap.quantization.fp8 import dequantize_blockwise, quantize_blockwise
 
+    def served(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() == 3:  # stacked experts: each expert's matrix quantized alone
+            return torch.stack([served(matrix) for matrix in tensor])
+        codes, scales = quantize_blockwise(tensor, FP8_BLOCK)
+        return dequantize_blockwise(codes, scales, FP8_BLOCK, torch.float32)
+
     tensors = dict(state.tensors)
     for name, tensor in tensors.items():
-        if name.endswith(_FP8_SUFFIXES) and ".experts." not in name:
-            codes, scales = quantize_blockwise(tensor, FP8_BLOCK)
-            tensors[name] = dequantize_blockwise(codes, scales, FP8_BLOCK, torch.float32)
+        if name.endswith(_FP8_SUFFIXES):
+            tensors[name] = served(tensor)
     return WeightState(key, tensors)
 
 

@@ -88,13 +88,14 @@ QUANTIZED = {"quantization_config": {"quant_method": "fp8", "weight_block_size":
 
 
 def dequantized_copy(model_dir: Path, out_dir: Path) -> Path:
-    """`model_dir` with every linear layer's weight replaced by its dequantized FP8 value
-    (each checkpoint tensor quantized on its own, as the engine does); experts, routers,
-    embeddings and the LM head as they are."""
+    """`model_dir` with every linear layer's weight, each routed expert's included,
+    replaced by its dequantized FP8 value (each checkpoint tensor quantized on its own, as
+    the engine does); routers, embeddings and the LM head as they are."""
     shutil.copytree(model_dir, out_dir)
     weights = load_file(model_dir / "model.safetensors")
     for name, tensor in weights.items():
-        if name.endswith("proj.weight") and "experts" not in name:
+        if name.endswith("proj.weight"):
+            assert tensor.dim() == 2, name  # per-expert checkpoint names, no stacked ones
             codes, scales = quantize_blockwise(tensor, tuple(BLOCK))
             weights[name] = dequantize_blockwise(codes, scales, tuple(BLOCK), torch.float32)
     save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
@@ -119,8 +120,11 @@ def test_logits_equal_the_dequantized_model(
         model_dir, [{"prompt_token_ids": ids} for ids in prompt_ids], 6, quantization="fp8",
         hf_overrides=QUANTIZED, cpu_kernels=cpu_kernels,
     )  # fmt: skip
-    qkv = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.dtype == torch.float8_e4m3fn
+    model = llm.engine.runner.model
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    for block in getattr(model, "sparse_blocks", list)():
+        assert block.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        assert block.experts.down_proj.dtype == torch.float8_e4m3fn
     for out, want, got, ref in zip(outs, want_tokens, logits, want_logits, strict=True):
         assert out.outputs[0].token_ids == want
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)

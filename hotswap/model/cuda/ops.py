@@ -234,7 +234,7 @@ def layer_kernels() -> LayerKernels:
     return LayerKernels(gemv=None, rms_norm=gpu.rms_norm, add_rms_norm=gpu.add_rms_norm,
                         rotary_embedding=gpu.rotary_embedding_, silu_and_mul=gpu.silu_and_mul,
                         head_rms_norm=gpu.head_rms_norm_, fused_moe=gpu.fused_moe,
-                        fp8_gemv=None, fp8_dequantize=None)  # fmt: skip
+                        fused_moe_fp8=None, fp8_gemv=None, fp8_dequantize=None)  # fmt: skip
 
 
 _LIBRARY = torch.library.Library("hotswap_gpu", "DEF")

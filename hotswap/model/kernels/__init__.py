@@ -37,6 +37,8 @@ class LayerKernels:
     # a mixture of experts' routed experts in one call, reading nothing back (None: per
     # expert from Python, model/moe.py)
     fused_moe: Callable[..., torch.Tensor] | None
+    # the same over FP8 experts (codes and block scales; None: per expert from Python)
+    fused_moe_fp8: Callable[..., torch.Tensor] | None
     # blockwise FP8 weights (model/quantized.py): a few rows against the codes, and the
     # codes' values in the activation dtype (None: torch operators dequantize)
     fp8_gemv: Callable[..., torch.Tensor] | None
@@ -69,6 +71,7 @@ class CpuKernels(LayerKernels):
             silu_and_mul=ops.silu_and_mul,
             head_rms_norm=None,
             fused_moe=ops.fused_moe,
+            fused_moe_fp8=ops.fused_moe_fp8,
             fp8_gemv=ops.fp8_gemv,
             fp8_dequantize=ops.fp8_dequantize,
             paged_decode_attention=ops.paged_decode_attention,

@@ -210,3 +210,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("hotswap_cpu::fused_moe")
     def _(x, gate_up, down, ids, weights):  # noqa: ANN001, ANN202
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("hotswap_cpu::fused_moe_fp8")
+    def _(x, gate_up, gate_up_scale, down, down_scale, ids, weights, block_n, block_k):  # noqa: ANN001, ANN202
+        return x.new_empty(x.shape)

@@ -26,7 +26,13 @@ from hotswap.model.models.sharding import (
 from hotswap.model.models.spec import DecoderSpec
 from hotswap.model.packed import PackedWeight, packed_copy
 from hotswap.model.parallel import ShardSlice, TPGroup, check_whole_shape
-from hotswap.model.quantized import SCALE_NAME, quantize_into, quantize_linear, scale_view_for
+from hotswap.model.quantized import (
+    SCALE_NAME,
+    quantize_into,
+    quantize_linear,
+    scale_name_of,
+    scale_view_for,
+)
 from hotswap.quantization.fp8 import FP8_DTYPE, Fp8Config
 
 # checkpoint projection name -> (fused parameter name, shard index)
@@ -150,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         scales = set()
         for key in keys:
             name, _, shard = key.partition("#")
-            if name.endswith(".weight") and self.quantized_layer(name) is not None:
+            if self.quantized_layer(name) is not None:
                 scales.add(self._scale_key(name, shard or None))
         return scales
 
@@ -322,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def _scale_key(cls, weight_name: str, shard: Any) -> str:
         """The key of FP8 weight `weight_name`'s scales (`weight` -> `weight_scale_inv`)."""
-        return cls._key(weight_name[: -len("weight")] + SCALE_NAME, shard)
+        return cls._key(scale_name_of(weight_name), shard)
 
     @staticmethod
     def _key(param_name: str, shard: Any) -> str:

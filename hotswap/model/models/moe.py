@@ -25,12 +25,14 @@ from torch import nn
 
 from hotswap.model.models.decoder import MLP
 from hotswap.model.models.llama import LlamaForCausalLM
-from hotswap.model.moe import MoESpec, SparseMoeBlock, expert_range
+from hotswap.model.moe import FusedExperts, MoESpec, SparseMoeBlock, expert_range
 from hotswap.model.parallel import ShardSlice, check_whole_shape
+from hotswap.model.quantized import SCALE_NAME, scale_name_of
+from hotswap.quantization.fp8 import Fp8Config
 
 _EXPERT_TENSOR = re.compile(
     r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
-    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+    r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.(?P<kind>weight|weight_scale_inv)$"
 )
 # projection -> (stacked parameter, part: gate 0 / up 1 of gate_up_proj; None: down_proj)
 _PROJECTIONS = {
@@ -38,7 +40,9 @@ _PROJECTIONS = {
     "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
     "down_proj": ("down_proj", None), "w2": ("down_proj", None),
 }  # fmt: skip
-_STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+_STACKED_PARAMETERS = ("gate_up_proj", "down_proj")
+_STACKED = tuple(f".mlp.experts.{p}" for p in _STACKED_PARAMETERS)
+_SCALES = scale_name_of("gate_up_proj").removeprefix("gate_up_proj")  # FP8 experts' suffix
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -63,6 +67,23 @@ class MoeForCausalLM(LlamaForCausalLM):
             self.moe, self.spec.hidden_size, dtype, invariant, shared_expert, self.tp
         )
 
+    def quantize(self, config: Fp8Config) -> None:
+        """The linear layers as a dense model's, and the routed experts where `config`
+        quantizes them (model/moe.py FusedExperts.quantize)."""
+        super().quantize(config)
+        for name, module in self.named_modules():
+            if isinstance(module, FusedExperts) and config.quantizes(name):
+                module.quantize(config, name, self.tp)
+        self._parameter_index = self._expected_keys = None
+
+    def quantized_layer(self, param_name: str) -> Any:
+        """As a dense model's, and the FP8 storage of a stacked experts' parameter."""
+        owner, _, stacked = param_name.rpartition(".")
+        if owner.endswith(".mlp.experts") and stacked in _STACKED_PARAMETERS:
+            fp8 = self.get_submodule(owner).fp8
+            return None if fp8 is None else fp8[stacked]
+        return super().quantized_layer(param_name)
+
     @property
     def graphable(self) -> bool:
         """Whether decode steps may run as one graph (compiled on the CPU, a CUDA graph on
@@ -70,8 +91,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         nothing back (not in batch-invariant mode). Otherwise routing is data-dependent
         (the experts hit are read back to pick the products to run): steps run eagerly."""
         experts = [block.experts for block in self.sparse_blocks()]
-        return all(e.kernels is not None and e.kernels.fused_moe is not None
-                   and not e.invariant for e in experts)  # fmt: skip
+        return all(e.fused_op() is not None and not e.invariant for e in experts)
 
     @property
     def compilable(self) -> bool:
@@ -98,7 +118,10 @@ class MoeForCausalLM(LlamaForCausalLM):
         if expert not in self.local_experts():
             return None  # another rank's expert (expert parallelism): not loaded here
         stacked, part = _PROJECTIONS[match["proj"]]
-        return f"{match['layer']}.mlp.experts.{stacked}", (expert, part)
+        name = f"{match['layer']}.mlp.experts.{stacked}"
+        if match["kind"] == SCALE_NAME:  # an FP8 checkpoint's scales of the expert's codes
+            name = scale_name_of(name)
+        return name, (expert, part)
 
     def local_experts(self) -> range:
         """The routed experts whose weights this rank holds (their global indices): all of
@@ -186,10 +209,11 @@ class MoeForCausalLM(LlamaForCausalLM):
     def expand_keys(self, keys: set[str]) -> set[str]:
         expanded = set()
         for key in keys:
-            if key.endswith(_STACKED[0]):
+            stacked = key.removesuffix(_SCALES)  # an FP8 model's scales expand as its codes
+            if stacked.endswith(_STACKED[0]):
                 expanded.update(f"{key}#{e}.{p}" for e in self.local_experts()
                                 for p in (0, 1))  # fmt: skip
-            elif key.endswith(_STACKED[1]):
+            elif stacked.endswith(_STACKED[1]):
                 expanded.update(f"{key}#{e}" for e in self.local_experts())
             else:
                 expanded.add(key)
@@ -197,6 +221,9 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def checkpoint_name(self, key: str) -> str:
         name, _, shard = key.partition("#")
+        if name.endswith(_SCALES):
+            codes = self.checkpoint_name(f"{name.removesuffix(_SCALES)}#{shard}")
+            return codes.removesuffix("weight") + SCALE_NAME
         if name.endswith(_STACKED):
             expert, _, part = shard.partition(".")
             layer, stacked = name.rsplit(".mlp.experts.", 1)

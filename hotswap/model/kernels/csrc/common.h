@@ -114,6 +114,10 @@ void gemv_range(const T* x, int64_t M, const T* w, T* y, int64_t n0, int64_t n1,
                 int64_t K);
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                      const at::Tensor& ids, const at::Tensor& weights);
+at::Tensor fused_moe_fp8(const at::Tensor& x, const at::Tensor& gate_up,
+                         const at::Tensor& gate_up_scale, const at::Tensor& down,
+                         const at::Tensor& down_scale, const at::Tensor& ids,
+                         const at::Tensor& weights, int64_t block_n, int64_t block_k);
 at::Tensor fp8_gemv(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scale,
                     const at::Tensor& scale_rows, int64_t block_k);
 at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scale,

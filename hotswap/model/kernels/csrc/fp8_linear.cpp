@@ -11,6 +11,7 @@
 //
 // Codes decode as fp8_codes.h says (exactly, times 2^-8, the 2^8 folded into the scales).
 #include "fp8_codes.h"
+#include "fp8_rows.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -21,14 +22,6 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 64;
 constexpr int64_t kPrefetchRows = 16;
-
-struct Fp8Weight {
-  const uint8_t* codes;     // [N, K]
-  const float* scale;       // [scale rows, KB]
-  const int32_t* rows;      // [N]: each output row's scale row
-  int64_t N, K, KB, block_k;
-  const float* scales_of(int64_t n) const { return scale + rows[n] * KB; }
-};
 
 // y[m, n .. n + NR) for MR input rows (float32, [MR, K]): per block, float32 sums of
 // code x input (MR x NR independent chains), then times each row's block scale.
@@ -237,48 +230,62 @@ void gemv_rows_vbmi(const at::BFloat16* x, int64_t M, const Fp8Weight& w, int64_
 
 }  // namespace
 
+Fp8Rows fp8_prepare_rows(const at::Tensor& input, int64_t block_k) {
+  const int64_t M = input.size(0), K = input.size(1);
+#if defined(HOTSWAP_FP8_VBMI)
+  if (input.scalar_type() == at::kBFloat16 && K % 64 == 0 && block_k % 64 == 0) {
+    const auto x = input.contiguous();
+    at::Tensor permuted = at::empty({M, K}, x.options());
+    for (int64_t m = 0; m < M; ++m)
+      permute_row(x.data_ptr<at::BFloat16>() + m * K, K, permuted.data_ptr<at::BFloat16>() + m * K);
+    return {permuted, true};
+  }
+#endif
+  return {input.to(at::kFloat).contiguous(), false};
+}
+
+void fp8_gemv_rows(const Fp8Rows& in, int64_t first, int64_t M, const Fp8Weight& w, int64_t n0,
+                   int64_t n1, at::Tensor& out) {
+  if (M == 0 || n0 >= n1) return;
+#if defined(HOTSWAP_FP8_VBMI)
+  if (in.vbmi) {
+    gemv_rows_vbmi(in.data.data_ptr<at::BFloat16>() + first * w.K, M, w, n0, n1,
+                   out.data_ptr<at::BFloat16>() + first * w.N);
+    return;
+  }
+#endif
+  gemv_rows(in.data.data_ptr<float>() + first * w.K, M, w, n0, n1,
+            out.data_ptr<float>() + first * w.N);
+}
+
+void fp8_dequantize_into(const Fp8Weight& w, at::Tensor& out) {
+  HOTSWAP_DISPATCH(out.scalar_type(), "fp8_dequantize", [&] {
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+      dequantize_rows<scalar_t>(w, dst, n0, n1);
+    });
+  });
+}
+
 at::Tensor fp8_gemv(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& scale,
                     const at::Tensor& scale_rows, int64_t block_k) {
   const Fp8Weight w = check_weight(codes, scale, scale_rows, block_k, "fp8_gemv");
   TORCH_CHECK(input.dim() == 2 && input.size(1) == w.K, "fp8_gemv: input must be [M, K]");
   const int64_t M = input.size(0);
-#if defined(HOTSWAP_FP8_VBMI)
-  if (input.scalar_type() == at::kBFloat16 && w.K % 64 == 0 && w.block_k % 64 == 0) {
-    auto out = at::empty({M, w.N}, input.options());
-    const auto x = input.contiguous();
-    std::vector<at::BFloat16> permuted(M * w.K);
-    for (int64_t m = 0; m < M; ++m)
-      permute_row(x.data_ptr<at::BFloat16>() + m * w.K, w.K, permuted.data() + m * w.K);
-    auto* op = out.data_ptr<at::BFloat16>();
-    at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-      gemv_rows_vbmi(permuted.data(), M, w, n0, n1, op);
-    });
-    return out;
-  }
-#endif
-  auto y = at::empty({M, w.N}, input.options().dtype(at::kFloat));
-  if (M == 0 || w.N == 0) return y.to(input.scalar_type());
-  float* yp = y.data_ptr<float>();
-  const auto x = input.to(at::kFloat).contiguous();
-  const float* xp = x.data_ptr<float>();
+  const Fp8Rows rows = fp8_prepare_rows(input, block_k);
+  at::Tensor out = at::empty({M, w.N}, input.options().dtype(rows.vbmi ? at::kBFloat16 : at::kFloat));
   at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-    gemv_rows(xp, M, w, n0, n1, yp);
+    fp8_gemv_rows(rows, 0, M, w, n0, n1, out);
   });
-  return y.to(input.scalar_type());
+  return rows.vbmi ? out : out.to(input.scalar_type());
 }
 
 at::Tensor fp8_dequantize(const at::Tensor& codes, const at::Tensor& scale,
                           const at::Tensor& scale_rows, int64_t block_k, at::ScalarType dtype) {
   const Fp8Weight w = check_weight(codes, scale, scale_rows, block_k, "fp8_dequantize");
   auto out = at::empty({w.N, w.K}, codes.options().dtype(dtype));
-  HOTSWAP_DISPATCH(dtype, "fp8_dequantize", [&] {
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    at::parallel_for(0, w.N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-      dequantize_rows<scalar_t>(w, dst, n0, n1);
-    });
-  });
+  fp8_dequantize_into(w, out);
   return out;
 }
 
 }  // namespace hotswap
-

@@ -11,6 +11,7 @@
 // twice per layer instead of twice per expert hit, and no Python runs per expert. Nothing
 // is read back to the caller, so a compiled decode graph can hold the call.
 #include "common.h"
+#include "fp8_rows.h"
 
 namespace hotswap {
 namespace {
@@ -90,6 +91,59 @@ void project(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out,
   });
 }
 
+// A layer's FP8 experts: codes [experts, N, K], scales [experts, scale rows, KB]; within an
+// expert, output row n's scale row is n / block_n (model/quantized.py Fp8Stack).
+struct Fp8Experts {
+  const uint8_t* codes;
+  const float* scale;
+  std::vector<int32_t> rows;  // [N]
+  int64_t N, K, KB, scale_rows, block_k;
+
+  Fp8Experts(const at::Tensor& c, const at::Tensor& s, int64_t block_n, int64_t bk)
+      : codes(static_cast<const uint8_t*>(c.data_ptr())), scale(s.data_ptr<float>()),
+        N(c.size(1)), K(c.size(2)), KB(s.size(2)), scale_rows(s.size(1)), block_k(bk) {
+    rows.resize(N);
+    for (int64_t n = 0; n < N; ++n) rows[n] = static_cast<int32_t>(n / block_n);
+  }
+  Fp8Weight expert(int64_t e) const {
+    return {codes + e * N * K, scale + e * scale_rows * KB, rows.data(), N, K, KB, block_k};
+  }
+};
+
+// As project(), over FP8 experts, with the FP8 linear layer's products (model/quantized.py
+// fp8_linear): up to kMatvecMaxRows rows through its GEMV, for any activation dtype; more
+// through the expert's dequantized weight and the GEMM library.
+template <typename T>
+void project_fp8(const at::Tensor& in, const Fp8Experts& w, at::Tensor& out,
+                 const ExpertGroups& g) {
+  std::vector<std::pair<int64_t, int64_t>> items;  // (group, first weight row)
+  std::vector<size_t> matvec_groups;
+  for (size_t i = 0; i < g.experts.size(); ++i) {
+    if (g.counts[i] > kMatvecMaxRows) {
+      at::Tensor weight = at::empty({w.N, w.K}, in.options());
+      fp8_dequantize_into(w.expert(g.experts[i]), weight);
+      at::Tensor rows = out.narrow(0, g.starts[i], g.counts[i]);
+      at::mm_out(rows, in.narrow(0, g.starts[i], g.counts[i]), weight.t());
+      continue;
+    }
+    matvec_groups.push_back(i);
+    for (int64_t n = 0; n < w.N; n += kChunkRows) items.emplace_back(i, n);
+  }
+  if (items.empty()) return;
+  const Fp8Rows rows = fp8_prepare_rows(in, w.block_k);
+  at::Tensor y = rows.vbmi ? out : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const auto [i, n0] = items[item];
+      fp8_gemv_rows(rows, g.starts[i], g.counts[i], w.expert(g.experts[i]), n0,
+                    std::min(w.N, n0 + kChunkRows), y);
+    }
+  });
+  if (rows.vbmi) return;
+  for (const size_t i : matvec_groups)  // rounded once, as the linear layer's .to(dtype)
+    out.narrow(0, g.starts[i], g.counts[i]).copy_(y.narrow(0, g.starts[i], g.counts[i]));
+}
+
 // Each grouped position's token row of x, in grouped order.
 template <typename T>
 at::Tensor gather_rows(const at::Tensor& x, const ExpertGroups& g, int64_t top_k) {
@@ -147,25 +201,99 @@ void check_inputs(const at::Tensor& x, const at::Tensor& gate_up, const at::Tens
               "fused_moe: weights [tokens, top_k] float32");
 }
 
+void check_fp8_scales(const at::Tensor& codes, const at::Tensor& scale, int64_t block_n,
+                      int64_t block_k) {
+  TORCH_CHECK(codes.scalar_type() == at::kFloat8_e4m3fn && codes.is_contiguous(),
+              "fused_moe_fp8: the experts' codes must be contiguous float8_e4m3fn");
+  TORCH_CHECK(scale.dim() == 3 && scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.size(0) == codes.size(0) &&
+                  scale.size(1) == (codes.size(1) + block_n - 1) / block_n &&
+                  scale.size(2) == (codes.size(2) + block_k - 1) / block_k,
+              "fused_moe_fp8: scales must be contiguous float32 [experts, ceil(rows / block_n), "
+              "ceil(columns / block_k)]");
+}
+
+void check_fp8_inputs(const at::Tensor& x, const at::Tensor& gate_up,
+                      const at::Tensor& gate_up_scale, const at::Tensor& down,
+                      const at::Tensor& down_scale, const at::Tensor& ids,
+                      const at::Tensor& weights, int64_t block_n, int64_t block_k) {
+  TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 &&
+                  gate_up.size(2) == x.size(1) && down.size(1) == x.size(1) &&
+                  gate_up.size(1) == 2 * down.size(2) && gate_up.size(0) == down.size(0),
+              "fused_moe_fp8: x [tokens, hidden], gate_up [experts, 2 x inter, hidden], "
+              "down [experts, hidden, inter]");
+  TORCH_CHECK(block_n > 0 && block_k > 0 && block_k % 16 == 0,
+              "fused_moe_fp8: block_n must be positive, block_k a multiple of 16");
+  check_fp8_scales(gate_up, gate_up_scale, block_n, block_k);
+  check_fp8_scales(down, down_scale, block_n, block_k);
+  TORCH_CHECK(x.is_floating_point() && x.scalar_type() != at::kFloat8_e4m3fn,
+              "fused_moe_fp8: x must be the activation dtype");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == at::kLong,
+              "fused_moe_fp8: ids [tokens, top_k] int64");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "fused_moe_fp8: weights [tokens, top_k] float32");
+}
+
+}  // namespace
+
+namespace {
+
+// gate/up, SiLU-and-mul, down and the weighted sum of slots over the step's pairs; `up`
+// and `down` run a projection (input rows, output rows, groups) as project() does.
+template <typename T, typename Up, typename Down>
+at::Tensor run_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                       int64_t num_experts, int64_t up_rows, Up&& up, Down&& down) {
+  const int64_t tokens = x.size(0), top_k = ids.size(1);
+  at::Tensor out = at::empty({tokens, x.size(1)}, x.options());
+  if (tokens == 0 || top_k == 0) return out.zero_();
+  const ExpertGroups g = group_by_expert(ids, num_experts);
+  const int64_t pairs = static_cast<int64_t>(g.pairs.size());
+  const at::Tensor rows = gather_rows<T>(x.contiguous(), g, top_k);
+  at::Tensor projected = at::empty({pairs, up_rows}, x.options());
+  up(rows, projected, g);
+  const at::Tensor activated = silu_and_mul(projected);
+  at::Tensor expert_out = at::empty({pairs, x.size(1)}, x.options());
+  down(activated, expert_out, g);
+  combine<T>(expert_out, g, weights.contiguous(), out);
+  return out;
+}
+
 }  // namespace
 
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down,
                      const at::Tensor& ids, const at::Tensor& weights) {
   check_inputs(x, gate_up, down, ids, weights);
-  const int64_t tokens = x.size(0), top_k = ids.size(1);
-  at::Tensor out = at::empty({tokens, x.size(1)}, x.options());
-  if (tokens == 0 || top_k == 0) return out.zero_();
-  const ExpertGroups g = group_by_expert(ids, gate_up.size(0));
-  const int64_t pairs = static_cast<int64_t>(g.pairs.size());
-  const at::Tensor input = x.contiguous(), mix = weights.contiguous();
+  at::Tensor out;
   HOTSWAP_DISPATCH(x.scalar_type(), "fused_moe", [&] {
-    const at::Tensor rows = gather_rows<scalar_t>(input, g, top_k);
-    at::Tensor projected = at::empty({pairs, gate_up.size(1)}, x.options());
-    project<scalar_t>(rows, gate_up, projected, g);
-    const at::Tensor activated = silu_and_mul(projected);
-    at::Tensor expert_out = at::empty({pairs, down.size(1)}, x.options());
-    project<scalar_t>(activated, down, expert_out, g);
-    combine<scalar_t>(expert_out, g, mix, out);
+    out = run_experts<scalar_t>(
+        x, ids, weights, gate_up.size(0), gate_up.size(1),
+        [&](const at::Tensor& in, at::Tensor& y, const ExpertGroups& g) {
+          project<scalar_t>(in, gate_up, y, g);
+        },
+        [&](const at::Tensor& in, at::Tensor& y, const ExpertGroups& g) {
+          project<scalar_t>(in, down, y, g);
+        });
+  });
+  return out;
+}
+
+at::Tensor fused_moe_fp8(const at::Tensor& x, const at::Tensor& gate_up,
+                         const at::Tensor& gate_up_scale, const at::Tensor& down,
+                         const at::Tensor& down_scale, const at::Tensor& ids,
+                         const at::Tensor& weights, int64_t block_n, int64_t block_k) {
+  check_fp8_inputs(x, gate_up, gate_up_scale, down, down_scale, ids, weights, block_n, block_k);
+  const Fp8Experts up_w(gate_up, gate_up_scale, block_n, block_k);
+  const Fp8Experts down_w(down, down_scale, block_n, block_k);
+  at::Tensor out;
+  HOTSWAP_DISPATCH(x.scalar_type(), "fused_moe_fp8", [&] {
+    out = run_experts<scalar_t>(
+        x, ids, weights, gate_up.size(0), gate_up.size(1),
+        [&](const at::Tensor& in, at::Tensor& y, const ExpertGroups& g) {
+          project_fp8<scalar_t>(in, up_w, y, g);
+        },
+        [&](const at::Tensor& in, at::Tensor& y, const ExpertGroups& g) {
+          project_fp8<scalar_t>(in, down_w, y, g);
+        });
   });
   return out;
 }

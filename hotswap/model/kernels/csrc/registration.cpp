@@ -30,6 +30,9 @@
 //   fused_moe(x, gate_up, down, ids, weights)
 //       a mixture of experts' routed experts in one call (moe.cpp): every (token, slot)
 //       pair through its expert, each token's slots weighted and summed.
+//   fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, ids, weights, block_n, block_k)
+//       the same over FP8 experts (e4m3 codes, float32 scales per block_n x block_k block
+//       of each expert's matrix), each expert's rows as fp8_gemv / fp8_dequantize run them.
 //
 // Built at run time by hotswap/model/kernels/build.py for this machine's instruction set
 // (AVX-512 with BF16 dot products where present; at::vec's portable vectors otherwise).
@@ -56,6 +59,8 @@ TORCH_LIBRARY(hotswap_cpu, m) {
   m.def("rotary_embedding(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
   m.def("fused_moe(Tensor x, Tensor gate_up, Tensor down, Tensor ids, Tensor weights) -> Tensor");
+  m.def("fused_moe_fp8(Tensor x, Tensor gate_up, Tensor gate_up_scale, Tensor down, "
+        "Tensor down_scale, Tensor ids, Tensor weights, int block_n, int block_k) -> Tensor");
   m.def("amx_available() -> bool", &hotswap::amx_linear_built);
   m.def("amx_pack_weight(Tensor weight) -> Tensor");
   m.def("amx_linear(Tensor input, Tensor packed, Tensor? bias) -> Tensor");
@@ -73,6 +78,7 @@ TORCH_LIBRARY_IMPL(hotswap_cpu, CPU, m) {
   m.impl("rotary_embedding", &hotswap::rotary_embedding);
   m.impl("silu_and_mul", &hotswap::silu_and_mul);
   m.impl("fused_moe", &hotswap::fused_moe);
+  m.impl("fused_moe_fp8", &hotswap::fused_moe_fp8);
   m.impl("amx_pack_weight", &hotswap::amx_pack_weight);
   m.impl("amx_linear", &hotswap::amx_linear);
 }
