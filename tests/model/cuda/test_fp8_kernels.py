@@ -73,6 +73,26 @@ def test_store_kv_quantizes_into_an_fp8_cache(scales, dtype: torch.dtype) -> Non
     assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
 
 
+def test_store_kv_divides_by_the_scale_as_quantize_kv() -> None:
+    """Inputs a float32 ulp or two around (a midpoint between e4m3 values) x scale: which
+    code they get depends on value / scale rounded as one IEEE division (a product with
+    the scale's reciprocal rounds some of them the other way)."""
+    scale = 0.37
+    every = torch.arange(256, dtype=torch.uint8).view(FP8_KV_DTYPE).float()
+    finite = every[~every.isnan()].sort().values
+    centre = (finite[1:] + finite[:-1]) / 2 * scale
+    up, down = torch.nextafter(centre, centre + 1), torch.nextafter(centre, centre - 1)
+    near = [centre, up, down, torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)]
+    x = torch.cat(near)
+    x = torch.cat([x, x.new_zeros((-x.numel()) % 32)]).view(-1, 1, 32).to(DEVICE)
+    tokens = x.shape[0]
+    k_cache = torch.zeros(tokens, 1, 1, 32, dtype=FP8_KV_DTYPE, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    ops.store_kv_(x, x, k_cache, v_cache, torch.arange(tokens, device=DEVICE), scale, 1.0)
+    want = quantize_kv(x, scale).view(torch.uint8)
+    assert torch.equal(k_cache.view(torch.uint8).view(want.shape), want)
+
+
 def test_scales_apply_to_fp8_caches_only() -> None:
     k_cache = torch.zeros(2, 16, 1, 16, device=DEVICE)
     key = torch.randn(1, 1, 16, device=DEVICE)
