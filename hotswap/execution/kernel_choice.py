@@ -7,8 +7,7 @@ and the ops its layers call instead of torch's.
 - CPU_ATTN: hotswap's CPU kernels (model/kernels); the default on the CPU.
 - TORCH_SDPA: torch operators only (the batch-invariant torch path in that mode).
 
-An FP8 KV cache (--kv-cache-dtype fp8) is not in the Triton kernels yet: on CUDA it runs
-TORCH_SDPA by default, and TRITON_ATTN named with it is refused.
+Every backend serves an FP8 KV cache (--kv-cache-dtype fp8, model/kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -60,16 +59,12 @@ def choose_kernels(config: EngineConfig, device: torch.device, progress: bool) -
 def _backend_name(config: EngineConfig, device: torch.device) -> str:
     """The configured backend, checked against the device, or the device's default."""
     name = config.attention_backend
-    fp8_kv = config.cache.kv_cache_dtype != "auto"
     if name is None:
         if device.type == "cuda":
-            return "TRITON_ATTN" if triton_runs_on(device) and not fp8_kv else "TORCH_SDPA"
+            return "TRITON_ATTN" if triton_runs_on(device) else "TORCH_SDPA"
         if device.type == "cpu" and config.cpu_kernels and not config.batch_invariant:
             return "CPU_ATTN"
         return "TORCH_SDPA"
-    if name == "TRITON_ATTN" and fp8_kv:
-        raise InvalidArgument("kv_cache_dtype", "kv_cache_dtype: an FP8 KV cache is not in the "
-                              "Triton kernels (TRITON_ATTN) yet; use TORCH_SDPA")  # fmt: skip
     if name == "TRITON_ATTN" and not triton_runs_on(device):
         why = "Triton is not installed" if device.type == "cuda" else (
             "on the host the Triton kernels run only under Triton's interpreter "

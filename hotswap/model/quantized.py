@@ -9,10 +9,11 @@ quantizes what it receives (`write`), must hold the same codes. So `scale_rows` 
 output row its scale row, and a shard of `rows` output rows owns ceil(rows / block_n) scale
 rows of its own.
 
-Forward: up to `MATVEC_MAX_ROWS` rows through the CPU kernel that reads the codes (half
-the bytes of bf16) and dequantizes them in registers; larger batches dequantize the weight
-into the activation dtype first (as the GEMM library needs a plain weight), which every
-device can do with torch operators.
+Forward: on CUDA every batch through the Triton GEMM that reads the codes in place
+(model/cuda/fp8_kernels.py); on the CPU up to `MATVEC_MAX_ROWS` rows through the CPU
+kernel that reads the codes (half the bytes of bf16) and dequantizes them in registers,
+and larger batches dequantize the weight into the activation dtype first (as the GEMM
+library needs a plain weight), which every device can do with torch operators.
 """
 
 from __future__ import annotations
@@ -104,8 +105,13 @@ def fp8_linear(
 
 
 def _kernel_for(kernels: LayerKernels | None, x: torch.Tensor):  # noqa: ANN202 - an op
-    """The CPU kernel that serves `x`'s rows against FP8 codes, if one does."""
-    if kernels is None or kernels.fp8_gemv is None or x.shape[0] > FP8_MATVEC_MAX_ROWS:
+    """The kernel that serves `x`'s rows against FP8 codes, if one does: a GEMM for any
+    rows (the Triton one on CUDA), else the CPU GEMV for a few."""
+    if kernels is None:
+        return None
+    if kernels.fp8_gemm is not None:
+        return kernels.fp8_gemm
+    if kernels.fp8_gemv is None or x.shape[0] > FP8_MATVEC_MAX_ROWS:
         return None
     return kernels.fp8_gemv
 

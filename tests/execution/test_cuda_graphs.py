@@ -115,6 +115,23 @@ def test_a_mixture_of_experts_replays_through_the_fused_experts(tiny_model_facto
 
 
 @slow
+def test_fp8_weights_and_kv_cache_replay_from_graphs(tiny_model_factory) -> None:  # noqa: ANN001
+    """--quantization fp8 and --kv-cache-dtype fp8 on the Triton kernels: the FP8 GEMM and
+    the codes' store and reads read nothing back, so their decode steps replay."""
+    kwargs = {"quantization": "fp8", "kv_cache_dtype": "fp8", "hf_overrides": {
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}}  # fmt: skip
+    path = tiny_model_factory("qwen3")
+    eager = engine(path, **kwargs)
+    want = generate(eager)
+    eager.shutdown()
+    llm = engine(path, **kwargs)
+    graphs = with_recorded_graphs(llm)
+    assert_same(generate(llm), want)
+    assert graphs.graph_steps > 0 and graphs.recaptures == 0
+    llm.shutdown()
+
+
+@slow
 def test_batch_invariant_graphs_give_the_eager_logits_bit_for_bit(tiny_model_factory) -> None:  # noqa: ANN001
     """Every row through the prefill kernel, its tile aligned to its position: a padded,
     replayed decode step gives the very logits the eager step gives."""

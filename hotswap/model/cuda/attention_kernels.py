@@ -21,12 +21,21 @@ tile. The batch-invariant mode runs every row, decode rows too, through the pref
 with tiles aligned to absolute positions: a token's result is then the same bits decoded
 or prefilled, alone or batched, chunked or not (a matrix product's row may round
 differently in another row of the tile: numpy's does, under the interpreter).
+
+An FP8 cache (FP8, model/kv_fp8.py) holds e4m3 codes, read as bytes and decoded exactly
+into the queries' dtype (fp8_kernels.py); the layer's k_scale is folded into the score
+scale and its v_scale into the output, as the CPU kernels do: the products round once
+where the torch path rounds code x scale to the dtype first (within 2^-8 relative in
+bf16, far less in float32). Scales are host floats fixed at start, kernel arguments a
+captured CUDA graph keeps as it keeps the softmax scale; nothing is read back.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from hotswap.model.cuda.fp8_kernels import e4m3_values
 
 
 @triton.jit
@@ -41,13 +50,14 @@ def _page_offsets(table_ptr, positions, valid, BLOCK_SIZE: tl.constexpr):
 def _attend_tile(
     q, acc, row_max, row_sum, k_cache, v_cache, rows, key_valid, kv_offset, dims, dim_mask,
     allowed, scale_log2, row_width, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the online softmax (base 2; `allowed` [M, N] masks scores, the keys
     outside `key_valid` [N] are not read)."""
     offsets = rows[:, None] * row_width + kv_offset + dims[None, :]
     load_mask = key_valid[:, None] & dim_mask[None, :]
-    keys = tl.load(k_cache + offsets, mask=load_mask, other=0.0)
-    values = tl.load(v_cache + offsets, mask=load_mask, other=0.0)
+    keys = _load_kv(k_cache + offsets, load_mask, q.dtype, FP8)
+    values = _load_kv(v_cache + offsets, load_mask, q.dtype, FP8)
     if UPCAST:  # Triton's interpreter multiplies bf16 as its raw bits: not for a GPU
         q, keys, values = q.to(tl.float32), keys.to(tl.float32), values.to(tl.float32)
     if IEEE:
@@ -70,12 +80,21 @@ def _attend_tile(
 
 
 @triton.jit
+def _load_kv(ptrs, mask, dtype: tl.constexpr, FP8: tl.constexpr):
+    """Keys or values in the queries' dtype; FP8: the codes' values (exact in any of the
+    query dtypes), their scales applied by the callers (scale_log2, v_scale)."""
+    if FP8:
+        return e4m3_values(tl.load(ptrs, mask=mask, other=0)).to(dtype)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr, k_cache, v_cache, tables_ptr, lens_ptr, acc_ptr, stats_ptr, out_ptr,
-    q_stride, table_stride, out_stride, scale_log2, num_splits, kv_heads, head_dim,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+    q_stride, table_stride, out_stride, scale_log2, v_scale, num_splits, kv_heads,
+    head_dim, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+    UPCAST: tl.constexpr, DIRECT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """acc [seqs, heads, splits, DIM] float32 (unnormalised), stats [seqs, heads, splits,
     2] float32 (row max in base 2, row sum) of each split; DIRECT (one split): the
@@ -105,8 +124,9 @@ def decode_split_kernel(
         allowed = (group < GROUP)[:, None] & valid[None, :]
         acc, row_max, row_sum = _attend_tile(
             q, acc, row_max, row_sum, k_cache, v_cache, rows, valid, kv_head * head_dim,
-            dims, dim_mask, allowed, scale_log2, row_width, IEEE, UPCAST,
+            dims, dim_mask, allowed, scale_log2, row_width, IEEE, UPCAST, FP8,
         )  # fmt: skip
+    acc = acc * v_scale  # an FP8 cache's value scale (1.0 otherwise: exact)
     if DIRECT:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
         tl.store(out_ptr + seq * out_stride + heads[:, None] * head_dim + dims[None, :],
@@ -147,10 +167,10 @@ def decode_reduce_kernel(
 def prefill_kernel(
     q_ptr, k_cache, v_cache, out_ptr, tables_ptr, starts_ptr, query_lens_ptr, lens_ptr,
     tile_seqs_ptr, tile_firsts_ptr, q_stride, out_stride, table_stride, scale_log2,
-    kv_heads, head_dim,
+    v_scale, kv_heads, head_dim,
     GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Queries [tokens, heads, head_dim]: sequence s owns rows starts[s] .. + query_lens[s],
     which are its last query_lens[s] positions of lens[s]. Program: (tile, query head);
@@ -182,9 +202,9 @@ def prefill_kernel(
                    & (positions[None, :] <= query_pos[:, None]))  # fmt: skip
         acc, row_max, row_sum = _attend_tile(
             q, acc, row_max, row_sum, k_cache, v_cache, rows, valid, kv_offset, dims,
-            dim_mask, allowed, scale_log2, kv_heads * head_dim, IEEE, UPCAST,
+            dim_mask, allowed, scale_log2, kv_heads * head_dim, IEEE, UPCAST, FP8,
         )  # fmt: skip
-    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    out = acc * v_scale / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     tl.store(out_ptr + (start + queries)[:, None] * out_stride + head * head_dim + dims[None, :],
              out.to(out_ptr.dtype.element_ty),
              mask=query_valid[:, None] & dim_mask[None, :])  # fmt: skip

@@ -1,6 +1,7 @@
 """The Triton attention backend (vLLM's TRITON_ATTN): the natural paged cache, new keys and
-values written by the store kernel, decode rows through the split-K paged kernel in one
-launch pair, prefill and chunked prefill through the packed prefill kernel.
+values written by the store kernel (into an FP8 cache quantized with the layer's scales),
+decode rows through the split-K paged kernel in one launch pair, prefill and chunked
+prefill through the packed prefill kernel.
 
 Its step inputs are built from the scheduler's lists in one buffer and uploaded in one
 asynchronous copy (`TritonStepInputs`): token ids, positions, slots, the rows sampled
@@ -62,22 +63,24 @@ class TritonAttention:
         return natural_cache(num_blocks, spec)
 
     def forward(self, query, key, value, kv_cache, meta, scale, kv_scales=None):  # noqa: ANN001
-        # kv_scales: always None here (an FP8 cache is refused with TRITON_ATTN, kernel_choice)
+        # kv_scales: an FP8 cache's (k_scale, v_scale), host floats fixed at start
+        k_scale, v_scale = kv_scales if kv_scales is not None else (1.0, 1.0)
+        gpu = torch.ops.hotswap_gpu
         k_cache, v_cache = kv_cache
-        torch.ops.hotswap_gpu.store_kv_(key, value, k_cache, v_cache, meta.slot_mapping)
+        gpu.store_kv_(key, value, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         out = query.new_empty(query.shape)
         decode = meta.decode_batch
         if decode is not None:
-            rows = decode.rows
-            torch.ops.hotswap_gpu.paged_decode_(
-                out, query[rows], k_cache, v_cache, decode.block_tables, decode.context_lens,
-                scale, decode.num_splits,
+            gpu.paged_decode_(
+                out, query[decode.rows], k_cache, v_cache, decode.block_tables,
+                decode.context_lens, scale, decode.num_splits, k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         prefill = meta.prefill_batch
         if prefill is not None:
-            torch.ops.hotswap_gpu.paged_prefill_(
+            gpu.paged_prefill_(
                 out, query, k_cache, v_cache, prefill.tables, prefill.starts,
                 prefill.query_lens, prefill.lens, prefill.tile_seqs, prefill.tile_firsts, scale,
+                k_scale=k_scale, v_scale=v_scale,
             )  # fmt: skip
         return out
 

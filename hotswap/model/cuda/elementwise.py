@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hotswap.model.cuda.fp8_kernels import e4m3_codes
+
 
 @triton.jit
 def _normalise(x, weight, mask, size, eps, out_dtype: tl.constexpr):
@@ -110,11 +112,13 @@ def silu_and_mul_kernel(x_ptr, out_ptr, x_stride, size, BLOCK: tl.constexpr):
 @triton.jit
 def store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, key_stride, value_stride,
-    width, BLOCK: tl.constexpr,
+    width, k_scale, v_scale, BLOCK: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Token t's keys and values ([kv_heads * head_dim], contiguous within the token) into
     cache slot slots[t] of caches laid out [slots, kv_heads * head_dim]; a negative slot
-    (a padding row) writes nothing. Program: (token, column block)."""
+    (a padding row) writes nothing. FP8: the caches are e4m3 codes as bytes, written as
+    model/kv_fp8.py `quantize_kv` writes them (value / scale in float32, IEEE-rounded
+    division, saturated, nearest even). Program: (token, column block)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -122,6 +126,9 @@ def store_kv_kernel(
         mask = cols < width
         k = tl.load(key_ptr + token * key_stride + cols, mask=mask)
         v = tl.load(value_ptr + token * value_stride + cols, mask=mask)
+        if FP8:
+            k = e4m3_codes(tl.div_rn(k.to(tl.float32), k_scale))
+            v = e4m3_codes(tl.div_rn(v.to(tl.float32), v_scale))
         tl.store(k_cache_ptr + slot * width + cols, k, mask=mask)
         tl.store(v_cache_ptr + slot * width + cols, v, mask=mask)
 

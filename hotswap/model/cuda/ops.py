@@ -28,8 +28,10 @@ from hotswap.model.cuda.elementwise import (
     silu_and_mul_kernel,
     store_kv_kernel,
 )
+from hotswap.model.cuda.fp8_kernels import fp8_gemm_kernel, gemm_blocks
 from hotswap.model.cuda.moe_kernels import group_by_expert, grouped_gemm
 from hotswap.model.kernels import LayerKernels
+from hotswap.model.kv_fp8 import FP8_KV_DTYPE
 
 LOG2E = math.log2(math.e)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -110,14 +112,34 @@ def store_kv_(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
+    """The new tokens' keys and values into their slots; into an FP8 cache quantized with
+    the layer's scales (model/kv_fp8.py)."""
     tokens, kv_heads, dim = key.shape
     width = kv_heads * dim
+    fp8 = _fp8_cache(k_cache, k_scale, v_scale)
     if tokens:
         block = min(COLUMN_BLOCK, block_for(width))
         grid = (tokens, triton.cdiv(width, block))
-        store_kv_kernel[grid](key, value, k_cache, v_cache, slots, key.stride(0),
-                              value.stride(0), width, BLOCK=block)  # fmt: skip
+        store_kv_kernel[grid](key, value, _cache_data(k_cache), _cache_data(v_cache), slots,
+                              key.stride(0), value.stride(0), width, k_scale, v_scale,
+                              BLOCK=block, FP8=fp8)  # fmt: skip
+
+
+def _fp8_cache(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
+    """Whether the caches hold e4m3 codes; scales other than 1 apply to those only (as the
+    CPU kernels check). Host floats, read with no device sync."""
+    fp8 = k_cache.dtype == FP8_KV_DTYPE
+    if not fp8 and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError("attention: k_scale and v_scale apply to FP8 caches only")
+    return fp8
+
+
+def _cache_data(cache: torch.Tensor) -> torch.Tensor:
+    """What the kernels read and write: an FP8 cache as its bytes (fp8_kernels.py)."""
+    return cache.view(torch.uint8) if cache.dtype == FP8_KV_DTYPE else cache
 
 
 def paged_decode_(
@@ -130,11 +152,15 @@ def paged_decode_(
     scale: float,
     num_splits: int,
     block_n: int = DECODE_BLOCK_N,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Rows 0..B-1 of `out` [tokens, heads, head_dim]: the B sequences' single queries
-    (q [B, heads, head_dim]) attending their cached context (`lens` positions each)."""
+    (q [B, heads, head_dim]) attending their cached context (`lens` positions each); an
+    FP8 cache read with the layer's scales."""
     seqs, heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    fp8 = _fp8_cache(k_cache, k_scale, v_scale)
     if not seqs:
         return
     group, width = heads // kv_heads, block_for(dim)
@@ -143,10 +169,11 @@ def paged_decode_(
     acc = torch.empty((rows, width), dtype=torch.float32, device=q.device)
     stats = torch.empty((rows, 2), dtype=torch.float32, device=q.device)
     decode_split_kernel[(seqs, kv_heads, num_splits)](
-        q, k_cache, v_cache, tables, lens, acc, stats, out, q.stride(0), tables.stride(0),
-        out.stride(0), scale * LOG2E, num_splits, kv_heads, dim, GROUP=group,
-        GROUP_PAD=max(16, block_for(group)), DIM=width, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, **_precision(q.dtype), DIRECT=direct, num_warps=4,
+        q, _cache_data(k_cache), _cache_data(v_cache), tables, lens, acc, stats, out,
+        q.stride(0), tables.stride(0), out.stride(0), scale * LOG2E * k_scale, v_scale,
+        num_splits, kv_heads, dim, GROUP=group, GROUP_PAD=max(16, block_for(group)),
+        DIM=width, BLOCK_SIZE=block_size, BLOCK_N=block_n, **_precision(q.dtype),
+        DIRECT=direct, FP8=fp8, num_warps=4,
     )  # fmt: skip
     if not direct:
         decode_reduce_kernel[(seqs, heads)](acc, stats, out, out.stride(0), num_splits, dim,
@@ -167,19 +194,24 @@ def paged_prefill_(
     scale: float,
     block_m: int = PREFILL_BLOCK_M,
     block_n: int = PREFILL_BLOCK_N,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """The rows of `out` the sequences' queries occupy (see `prefill_kernel`); the tiles
-    come from `prefill_tiles` with the same `block_m`."""
+    come from `prefill_tiles` with the same `block_m`. An FP8 cache read with the layer's
+    scales."""
     tiles = tile_seqs.shape[0]
     heads, dim = q.shape[1], q.shape[2]
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    fp8 = _fp8_cache(k_cache, k_scale, v_scale)
     if not tiles:
         return
     prefill_kernel[(tiles, heads)](
-        q, k_cache, v_cache, out, tables, starts, query_lens, lens, tile_seqs, tile_firsts,
-        q.stride(0), out.stride(0), tables.stride(0), scale * LOG2E, kv_heads, dim,
-        GROUP=heads // kv_heads, DIM=block_for(dim), BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, **_precision(q.dtype), num_warps=4,
+        q, _cache_data(k_cache), _cache_data(v_cache), out, tables, starts, query_lens, lens,
+        tile_seqs, tile_firsts, q.stride(0), out.stride(0), tables.stride(0),
+        scale * LOG2E * k_scale, v_scale, kv_heads, dim, GROUP=heads // kv_heads,
+        DIM=block_for(dim), BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        **_precision(q.dtype), FP8=fp8, num_warps=4,
     )  # fmt: skip
 
 
@@ -228,13 +260,41 @@ def fused_moe(
     return mixed.to(x.dtype)
 
 
+def fp8_gemm(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    scale_rows: torch.Tensor,
+    block_k: int,
+) -> torch.Tensor:
+    """x [..., K] @ the blockwise FP8 weight^T (model/quantized.py `fp8_linear`: codes
+    [N, K], block scales, each output row's scale row), in x's dtype; any number of rows,
+    reading the codes in place (no dequantized weight)."""
+    n, k = codes.shape
+    flat = x.reshape(-1, k)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    rows = flat.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows:
+        block_m, block_n, block_kk = gemm_blocks(rows, block_k)
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
+        fp8_gemm_kernel[grid](
+            flat, codes.view(torch.uint8), scale, scale_rows, out, rows, n, k, flat.stride(0),
+            codes.stride(0), scale.stride(0), out.stride(0), block_k, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_kk, **_precision(x.dtype), num_warps=4,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
 def layer_kernels() -> LayerKernels:
     """The hooks the model's layers call (model/kernels LayerKernels)."""
     gpu = torch.ops.hotswap_gpu
     return LayerKernels(gemv=None, rms_norm=gpu.rms_norm, add_rms_norm=gpu.add_rms_norm,
                         rotary_embedding=gpu.rotary_embedding_, silu_and_mul=gpu.silu_and_mul,
                         head_rms_norm=gpu.head_rms_norm_, fused_moe=gpu.fused_moe,
-                        fused_moe_fp8=None, fp8_gemv=None, fp8_dequantize=None)  # fmt: skip
+                        fused_moe_fp8=None, fp8_gemv=None, fp8_gemm=gpu.fp8_gemm,
+                        fp8_dequantize=None)  # fmt: skip
 
 
 _LIBRARY = torch.library.Library("hotswap_gpu", "DEF")
@@ -246,13 +306,17 @@ _SCHEMAS = {
     rotary_embedding_: "rotary_embedding_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()",
     silu_and_mul: "silu_and_mul(Tensor x) -> Tensor",
     store_kv_: "store_kv_(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor slots) -> ()",
+    "Tensor slots, float k_scale=1.0, float v_scale=1.0) -> ()",
     paged_decode_: "paged_decode_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-    "Tensor tables, Tensor lens, float scale, int num_splits, int block_n=64) -> ()",
+    "Tensor tables, Tensor lens, float scale, int num_splits, int block_n=64, "
+    "float k_scale=1.0, float v_scale=1.0) -> ()",
     paged_prefill_: "paged_prefill_(Tensor(a!) out, Tensor q, Tensor k_cache, "
     "Tensor v_cache, Tensor tables, Tensor starts, Tensor query_lens, Tensor lens, "
-    "Tensor tile_seqs, Tensor tile_firsts, float scale, int block_m=64, int block_n=64) -> ()",
+    "Tensor tile_seqs, Tensor tile_firsts, float scale, int block_m=64, int block_n=64, "
+    "float k_scale=1.0, float v_scale=1.0) -> ()",
     fused_moe: "fused_moe(Tensor x, Tensor gate_up, Tensor down, Tensor ids, Tensor weights) "
+    "-> Tensor",
+    fp8_gemm: "fp8_gemm(Tensor x, Tensor codes, Tensor scale, Tensor scale_rows, int block_k) "
     "-> Tensor",
 }
 for _function, _schema in _SCHEMAS.items():

@@ -39,9 +39,11 @@ class LayerKernels:
     fused_moe: Callable[..., torch.Tensor] | None
     # the same over FP8 experts (codes and block scales; None: per expert from Python)
     fused_moe_fp8: Callable[..., torch.Tensor] | None
-    # blockwise FP8 weights (model/quantized.py): a few rows against the codes, and the
-    # codes' values in the activation dtype (None: torch operators dequantize)
+    # blockwise FP8 weights (model/quantized.py): a few rows against the codes, any number
+    # of rows against them (the Triton GEMM on CUDA; preferred where set), and the codes'
+    # values in the activation dtype (None: torch operators dequantize)
     fp8_gemv: Callable[..., torch.Tensor] | None
+    fp8_gemm: Callable[..., torch.Tensor] | None
     fp8_dequantize: Callable[..., torch.Tensor] | None
 
 
@@ -73,6 +75,7 @@ class CpuKernels(LayerKernels):
             fused_moe=ops.fused_moe,
             fused_moe_fp8=ops.fused_moe_fp8,
             fp8_gemv=ops.fp8_gemv,
+            fp8_gemm=None,  # larger batches dequantize for the GEMM library (fp8_linear.cpp)
             fp8_dequantize=ops.fp8_dequantize,
             paged_decode_attention=ops.paged_decode_attention,
             paged_decode_attention_tiles=ops.paged_decode_attention_tiles,

@@ -7,19 +7,24 @@ logits alone equal its logits in a mixed, chunked batch with prefix hits); and t
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from hotswap import LLM, SamplingParams
 from hotswap.engine_args import EngineArgs
 from hotswap.errors import InvalidArgument
-from hotswap.execution.kernel_choice import choose_kernels
+from hotswap.execution.kernel_choice import _backend_name, choose_kernels
 from tests.helpers.recording import record_logits
 from tests.model.cuda.conftest import DEVICE
 
 SHARED = "Reinforcement learning trains a policy while it keeps generating rollouts. "
 PROMPTS = [SHARED + "The quick", SHARED + "Paged attention", "x", SHARED * 2 + "Numbers"]
+# Blocks smaller than the tiny model's layers, so that their grids have several blocks
+FP8_WEIGHTS = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 16]}}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
 
 
@@ -130,9 +135,53 @@ def test_each_backend_is_checked_against_the_device(tiny_llama, monkeypatch) -> 
         choose_kernels(config(tiny_llama, attention_backend="TRITON_ATTN"), cpu, False)
 
 
-def test_an_fp8_kv_cache_is_refused_by_the_triton_kernels(tiny_llama) -> None:  # noqa: ANN001
-    # Not yet in the Triton kernels: named with TRITON_ATTN, refused naming the field.
+def test_an_fp8_kv_cache_runs_the_triton_kernels(tiny_llama) -> None:  # noqa: ANN001
+    """Named with TRITON_ATTN, and the default on CUDA (the device's type decides it: no
+    GPU needed to ask)."""
     fp8 = config(tiny_llama, attention_backend="TRITON_ATTN", kv_cache_dtype="fp8")
-    with pytest.raises(InvalidArgument, match="kv_cache_dtype: an FP8 KV cache") as error:
-        choose_kernels(fp8, torch.device("cpu"), False)
-    assert error.value.field == "kv_cache_dtype"
+    assert choose_kernels(fp8, torch.device("cpu"), False).name == "TRITON_ATTN"
+    default = config(tiny_llama, kv_cache_dtype="fp8")
+    assert _backend_name(default, torch.device("cuda")) == "TRITON_ATTN"
+
+
+def with_kv_scales(model_dir: Path, out_dir: Path, scales: tuple[float, float]) -> Path:
+    """`model_dir` with per-layer k_scale / v_scale tensors in its checkpoint."""
+    shutil.copytree(model_dir, out_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    layers = {int(name.split(".")[2]) for name in weights if name.startswith("model.layers.")}
+    for layer in layers:
+        weights[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(scales[0])
+        weights[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(scales[1])
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    return out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fp8", ["kv_cache", "weights"])
+def test_the_triton_engine_over_fp8_generates_what_the_torch_engine_does(
+    tiny_llama, tmp_path, fp8: str
+) -> None:  # noqa: ANN001
+    """--kv-cache-dtype fp8 with a checkpoint's scales (the torch engine's cache written
+    and read by model/kv_fp8.py), or --quantization fp8 (its weights dequantized by torch
+    operators): chunked prefill, prefix hits and decode give the torch engine's tokens and
+    logprobs."""
+    if fp8 == "kv_cache":
+        path, kwargs = with_kv_scales(tiny_llama, tmp_path / "scaled", (0.37, 2.5)), {
+            "kv_cache_dtype": "fp8"}  # fmt: skip
+    else:
+        path, kwargs = tiny_llama, {"quantization": "fp8", "hf_overrides": FP8_WEIGHTS}
+    runs = {}
+    for backend in ("TORCH_SDPA", "TRITON_ATTN"):
+        llm = engine(path, backend, max_num_batched_tokens=24, **kwargs)
+        model = llm.engine.runner.model.model
+        if fp8 == "kv_cache":
+            assert model.layers[0].self_attn.kv_scales == (pytest.approx(0.37), 2.5)
+        else:
+            assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+        runs[backend] = outputs(llm, PROMPTS) + outputs(llm, PROMPTS)
+        llm.shutdown()
+    for want, got in zip(runs["TORCH_SDPA"], runs["TRITON_ATTN"], strict=True):
+        assert got.token_ids == want.token_ids
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert max(abs(a[t].logprob - b[t].logprob) for t in a) < 1e-5
