@@ -4,7 +4,7 @@
 // gate/up, SiLU-and-mul and down; each token's slots are weighted and summed in float32,
 // in slot order, and rounded once.
 //
-// Per expert, the products are those the torch path runs: up to kMatvecMaxRows rows of a
+// Per expert, the products are those the torch path runs: up to kExpertMatvecRows rows of a
 // bf16 model through the GEMV body, the rest through the GEMM library, so the results are that path's.
 // What changes is the launching: the GEMVs of every expert a pass hits run as one
 // parallel loop over (expert, weight-row chunk) items, so a decode step wakes the threads
@@ -16,7 +16,11 @@
 namespace hotswap {
 namespace {
 
-constexpr int64_t kMatvecMaxRows = 8;  // MATVEC_MAX_ROWS in model/layers.py
+// EXPERT_MATVEC_MAX_ROWS in model/moe.py: an expert's matrix is small, and the GEMM
+// library's fixed cost per call weighs more on it than on a dense layer's (GEMV ahead to 16
+// rows, where a dense layer's crosses over near 12).
+constexpr int64_t kExpertMatvecRows = 16;
+constexpr int64_t kFp8MatvecRows = 8;  // FP8_MATVEC_MAX_ROWS in model/quantized.py
 constexpr int64_t kChunkRows = 64;     // weight rows per GEMV work item
 constexpr int64_t kCombineElements = 16384;  // output elements a combine task takes at least
 
@@ -69,7 +73,7 @@ void project(const at::Tensor& in, const at::Tensor& weight, at::Tensor& out,
   std::vector<std::pair<int64_t, int64_t>> items;  // (group, first weight row)
   // as model/layers.py linear(): the GEMV serves bf16 weights only (the GEMM library's
   // float32 products already stream near memory speed)
-  const int64_t matvec_rows = std::is_same_v<T, at::BFloat16> ? kMatvecMaxRows : 0;
+  const int64_t matvec_rows = std::is_same_v<T, at::BFloat16> ? kExpertMatvecRows : 0;
   for (size_t i = 0; i < g.experts.size(); ++i) {
     if (g.counts[i] > matvec_rows) {  // the GEMM library parallelises within
       at::Tensor rows = out.narrow(0, g.starts[i], g.counts[i]);
@@ -111,7 +115,7 @@ struct Fp8Experts {
 };
 
 // As project(), over FP8 experts, with the FP8 linear layer's products (model/quantized.py
-// fp8_linear): up to kMatvecMaxRows rows through its GEMV, for any activation dtype; more
+// fp8_linear): up to kFp8MatvecRows rows through its GEMV, for any activation dtype; more
 // through the expert's dequantized weight and the GEMM library.
 template <typename T>
 void project_fp8(const at::Tensor& in, const Fp8Experts& w, at::Tensor& out,
@@ -119,7 +123,7 @@ void project_fp8(const at::Tensor& in, const Fp8Experts& w, at::Tensor& out,
   std::vector<std::pair<int64_t, int64_t>> items;  // (group, first weight row)
   std::vector<size_t> matvec_groups;
   for (size_t i = 0; i < g.experts.size(); ++i) {
-    if (g.counts[i] > kMatvecMaxRows) {
+    if (g.counts[i] > kFp8MatvecRows) {
       at::Tensor weight = at::empty({w.N, w.K}, in.options());
       fp8_dequantize_into(w.expert(g.experts[i]), weight);
       at::Tensor rows = out.narrow(0, g.starts[i], g.counts[i]);
