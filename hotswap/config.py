@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hotswap.errors import InvalidArgument
+from hotswap.model.kv_fp8 import FP8_KV_DTYPES
 from hotswap.quantization.fp8 import Fp8Config
 from hotswap.weight_transfer.config import WeightTransferConfig
 
@@ -22,10 +23,10 @@ ATTENTION_BACKENDS = ("TRITON_ATTN", "CPU_ATTN", "TORCH_SDPA")
 # How the data-parallel front end picks a rank for a new request (engine/dp_router.py).
 DP_ROUTING = ("least-loaded", "session", "cache-aware")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
-# vLLM's --kv-cache-dtype values hotswap serves: auto, the model's dtype; fp8 (= fp8_e4m3),
-# float8 e4m3fn codes with one float32 scale per layer for keys and one for values
-# (model/kv_fp8.py). vLLM's fp8_e5m2 and the others are refused, naming the field.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's --kv-cache-dtype values hotswap serves: auto, the model's dtype; fp8 (= fp8_e4m3)
+# and fp8_e5m2, float8 e4m3fn or e5m2 codes with one float32 scale per layer for keys and
+# one for values (model/kv_fp8.py). vLLM's other values are refused, naming the field.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def check_logprobs_mode(mode: object) -> str:
@@ -112,11 +113,19 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2"
+    # vLLM's --calculate-kv-scales: an FP8 cache's scales from the first real step's K/V,
+    # kept for the engine's life (model/kv_fp8.py); nothing with an "auto" cache
+    calculate_kv_scales: bool = False
 
     def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """What the KV cache's tensors hold."""
-        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8_e4m3" else model_dtype
+        return FP8_KV_DTYPES.get(self.kv_cache_dtype, model_dtype)
+
+    @property
+    def scales_from_first_step(self) -> bool:
+        """Whether the FP8 scales are computed by the first real step (not known before)."""
+        return self.calculate_kv_scales and self.kv_cache_dtype in FP8_KV_DTYPES
 
 
 @dataclass(frozen=True)
@@ -293,13 +302,14 @@ def resolve_quantization(method: str | None, hf_config: dict[str, Any]) -> Fp8Co
 
 
 def parse_kv_cache_dtype(value: str) -> str:
-    """--kv-cache-dtype, normalised: "auto" or "fp8_e4m3" (fp8 is e4m3, as in vLLM)."""
+    """--kv-cache-dtype, normalised: "auto", "fp8_e4m3" (fp8 is e4m3, as in vLLM) or
+    "fp8_e5m2"."""
     if value not in KV_CACHE_DTYPES:
         raise InvalidArgument(
             "kv_cache_dtype",
             f"kv_cache_dtype: {value!r} is not served; choose one of {', '.join(KV_CACHE_DTYPES)}",
         )
-    return "auto" if value == "auto" else "fp8_e4m3"
+    return "fp8_e4m3" if value == "fp8" else value
 
 
 def parse_head_dtype(value: str | None) -> torch.dtype | None:

@@ -128,9 +128,12 @@ class EngineArgs:
     kv_cache_memory_bytes: int = arg(
         DEFAULT_KV_CACHE_BYTES, "KV cache budget in bytes", aliases=("--kv-cache-memory",)
     )
-    kv_cache_dtype: str = arg("auto", "auto: the model's dtype; fp8 (= fp8_e4m3): e4m3 codes, "
-                              "one k and one v scale per layer (vLLM's flag)",
+    kv_cache_dtype: str = arg("auto", "auto: the model's dtype; fp8 (= fp8_e4m3), fp8_e5m2: FP8 "
+                              "codes, one k and one v scale per layer (vLLM's flag)",
                               choices=KV_CACHE_DTYPES)  # fmt: skip
+    calculate_kv_scales: bool = arg(False, "FP8 cache: k/v scales = max|K|/200, max|V|/100 of the "
+                                    "first step, kept for the engine's life, weight rounds "
+                                    "included (vLLM's flag; nothing with auto)")  # fmt: skip
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = arg(True, "split long prompts over several steps")
     max_num_seqs: int = arg(128, "most requests running in one step")
@@ -369,6 +372,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=parse_kv_cache_dtype(self.kv_cache_dtype),
+            calculate_kv_scales=bool(self.calculate_kv_scales),
         )
 
     def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:

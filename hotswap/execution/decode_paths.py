@@ -27,9 +27,10 @@ def compile_decode(
 ) -> CompiledDecode | None:
     """Compiled graphs for decode steps of a few sequences, on the fast CPU path, unless
     eager mode is asked for or torch cannot compile here."""
-    # Tensor-parallel steps run eagerly: their collectives are not in the graphs.
+    # Tensor-parallel steps run eagerly: their collectives are not in the graphs. So do
+    # steps whose FP8 scales the first step computes: the graphs would keep the 1.0s.
     if (config.enforce_eager or cpu_kernels is None or parallel or not model.compilable
-            or not compilation_available()):  # fmt: skip
+            or not compilation_available() or config.cache.scales_from_first_step):  # fmt: skip
         return None
     compiled = CompiledDecode(model, config.cache.block_size, config.scheduler.max_model_len)
     return compiled if compiled.warm_up(progress) else None
@@ -67,7 +68,7 @@ def decode_graphs(
     captured now, unless eager mode is asked for; None elsewhere."""
     device = torch.device(config.device)
     if (config.enforce_eager or staging is None or device.type != "cuda" or parallel
-            or not model.graphable):  # fmt: skip
+            or not model.graphable or config.cache.scales_from_first_step):  # fmt: skip
         return None
     from hotswap.execution.cuda_graphs import CudaGraphCapture, DecodeGraphs
 

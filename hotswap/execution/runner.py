@@ -37,7 +37,7 @@ from hotswap.execution.step_inputs import (
 from hotswap.lora.layers import LoRAPlan, ModelLoRA
 from hotswap.model.attention import CacheSpec
 from hotswap.model.cuda.staging import Staging
-from hotswap.model.kv_fp8 import use_fp8_kv
+from hotswap.model.kv_fp8 import calculate_kv_scales_on_first_step, use_fp8_kv
 from hotswap.model.loader import build_model
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
 from hotswap.model.parallel import TPGroup
@@ -129,6 +129,8 @@ class ModelRunner(RankWeights, RankShadow):
                                     self.tp.parallel,
                                     watched_tensors(self.model, lambda: self.kv_caches),
                                     progress)  # fmt: skip
+        if config.cache.scales_from_first_step:  # after the warm-ups' dummy steps
+            calculate_kv_scales_on_first_step(self.model)
         # Each data-parallel rank draws its own noise for unseeded requests (the same seed
         # would make ranks sample identical "random" completions). The CPU generator keeps
         # 32 bits of a seed, so ranks are spread within them; rank 0 keeps the seed as is.

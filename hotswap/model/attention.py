@@ -23,13 +23,13 @@ KVScales = tuple[float, float] | None
 @dataclass(frozen=True)
 class CacheSpec:
     """What a layer's KV cache holds: its blocks' size and the model's attention shape;
-    `dtype`, the cache's (float8_e4m3fn with --kv-cache-dtype fp8, else the model's)."""
+    `dtype`, the cache's (float8_e4m3fn or float8_e5m2 for an FP8 cache, else the model's)."""
 
     block_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype  # the cache's (float8_e4m3fn for an FP8 cache)
+    dtype: torch.dtype  # the cache's (float8_e4m3fn or float8_e5m2 for an FP8 cache)
     device: torch.device
     compute_dtype: torch.dtype | None = None  # the queries' (None: `dtype`)
 
@@ -200,9 +200,9 @@ def write_kv(
     kv_scales: KVScales = None,
 ) -> None:
     k_cache, v_cache = kv_cache
-    if kv_scales is not None:  # e4m3 codes, copied as bytes (index_copy_ has no float8)
-        key = quantize_kv(key, kv_scales[0]).view(torch.uint8)
-        value = quantize_kv(value, kv_scales[1]).view(torch.uint8)
+    if kv_scales is not None:  # the cache's codes, copied as bytes (index_copy_ has no float8)
+        key = quantize_kv(key, kv_scales[0], k_cache.dtype).view(torch.uint8)
+        value = quantize_kv(value, kv_scales[1], v_cache.dtype).view(torch.uint8)
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)

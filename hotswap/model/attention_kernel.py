@@ -6,10 +6,10 @@ in 16-position tiles per kv head, laid out for BF16 dot products (see
 csrc/paged_attention_tiles.cpp): a decode step reads them as they are, at ~1.2-1.4x the
 natural layout's speed; new tokens are written into their tiles, and a prefill chunk with
 cached context has the tiles rearranged into rows for SDPA. An FP8 cache under bf16
-queries (--kv-cache-dtype fp8) is tiled too: new tokens are quantized, their codes written
-into the tiles, and the kernel widens the codes as it reads them. Elsewhere the cache keeps
-the natural [blocks, block_size, kv_heads, dim] layout and the portable kernel, which reads
-e4m3 codes as well.
+queries (--kv-cache-dtype fp8, fp8_e5m2) is tiled too: new tokens are quantized, their codes
+written into the tiles, and the kernel widens the codes as it reads them. Elsewhere the
+cache keeps the natural [blocks, block_size, kv_heads, dim] layout and the portable kernel,
+which reads e4m3 and e5m2 codes as well.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from hotswap.model.attention import (
     write_kv,
 )
 from hotswap.model.kernels import CpuKernels
-from hotswap.model.kv_fp8 import FP8_KV_DTYPE, quantize_kv
+from hotswap.model.kv_fp8 import is_fp8_kv, quantize_kv
 
 TILE = 16  # positions per tile
 
@@ -43,9 +43,9 @@ def untile(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's [context_len, kv_heads, dim] keys and values, out of its tiles (key
     tile [dim/2][16][2], value tile [8][dim][2]: see csrc/paged_attention_tiles.cpp)."""
-    if k_tiles.dtype == FP8_KV_DTYPE:  # codes moved as bytes (index_select has no float8)
+    if is_fp8_kv(k_tiles.dtype):  # codes moved as bytes (index_select has no float8)
         keys, values = untile(k_tiles.view(torch.uint8), v_tiles.view(torch.uint8), seq)
-        return keys.view(FP8_KV_DTYPE), values.view(FP8_KV_DTYPE)
+        return keys.view(k_tiles.dtype), values.view(v_tiles.dtype)
     blocks, kv_heads, tiles, size = k_tiles.shape
     dim, n = size // TILE, len(seq.block_table)
     keys = k_tiles.index_select(0, seq.block_table).view(n, kv_heads, tiles, dim // 2, TILE, 2)
@@ -77,7 +77,9 @@ class PagedKernelAttention(TorchPagedAttention):
     def forward(self, query, key, value, kv_cache, meta, scale, kv_scales=None):  # noqa: ANN001
         if self.tiled:
             if kv_scales is not None:  # an FP8 cache: the codes go into the tiles
-                key, value = quantize_kv(key, kv_scales[0]), quantize_kv(value, kv_scales[1])
+                codes = kv_cache[0].dtype
+                key = quantize_kv(key, kv_scales[0], codes)
+                value = quantize_kv(value, kv_scales[1], codes)
             self.kernels.write_kv_tiles(key, value, kv_cache[0], kv_cache[1], meta.slot_mapping)
         else:
             write_kv(key, value, kv_cache, meta.slot_mapping, kv_scales)

@@ -1,12 +1,16 @@
-"""The FP8 KV cache (--kv-cache-dtype fp8), with vLLM's semantics: the cache holds float8
-e4m3fn codes; each layer has one float32 scale for its keys and one for its values
-(`k_scale`, `v_scale`: a checkpoint's, else 1.0). A write stores value / scale, saturated
-to +-448 and rounded to nearest even (torch's cast); a read is code x scale, rounded to
-the attention's dtype (as vLLM's Triton kernels do). Every backend reads and writes
+"""The FP8 KV cache (--kv-cache-dtype fp8 / fp8_e4m3, fp8_e5m2), with vLLM's semantics: the
+cache holds float8 e4m3fn or e5m2 codes; each layer has one float32 scale for its keys and
+one for its values (`k_scale`, `v_scale`: a checkpoint's, else 1.0, for either format, as
+vLLM loads them; or, with --calculate-kv-scales, computed from the first step's K/V). A
+write stores value / scale, saturated to the format's largest finite value (448 for e4m3,
+57344 for e5m2) and rounded to nearest even (torch's cast: vLLM's CUDA and Triton kernels
+round so; its CPU kernels truncate toward zero instead); a read is code x scale, rounded
+to the attention's dtype (as vLLM's Triton kernels do). Every backend reads and writes
 through these definitions or kernels that compute the same values.
 
-Scales are host floats fixed when the engine starts: a captured CUDA graph or compiled
-step keeps them as constants, and a weight round does not carry them.
+Scales are host floats fixed before the first real step: a captured CUDA graph or compiled
+step keeps them as constants, and a weight round does not carry or recompute them (vLLM
+computes --calculate-kv-scales once and keeps it across weight reloads too).
 """
 
 from __future__ import annotations
@@ -17,8 +21,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = 448.0  # e4m3fn's largest finite value
+# The cache's codes per FP8 --kv-cache-dtype (as config.parse_kv_cache_dtype names them).
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_KV_DTYPE = FP8_KV_DTYPES["fp8_e4m3"]  # vLLM's "fp8"
+# vLLM's --calculate-kv-scales divisors (its K_SCALE_CONSTANT and V_SCALE_CONSTANT defaults):
+# k_scale = max|K| / 200, v_scale = max|V| / 100 over the first step's keys and values.
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
 
 # A checkpoint's per-layer scales, in the spellings vLLM reads (its maybe_remap_kv_scale_name):
 # `...self_attn.k_scale`, `...self_attn.attn.k_scale`, `...self_attn.k_proj.k_scale`, the
@@ -29,14 +38,21 @@ _SCALE_NAME = re.compile(
 )
 
 
-def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """e4m3 codes of x / scale, saturated (computed in float32, as vLLM's kernels do)."""
-    return (x.float() / scale).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+def is_fp8_kv(dtype: torch.dtype) -> bool:
+    return dtype in FP8_KV_DTYPES.values()
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """`dtype` codes (an FP8_KV_DTYPES value) of x / scale, computed in float32 as vLLM's
+    kernels do, saturated to the format's largest finite value before the cast (torch's
+    cast to e5m2 would give infinities past it; vLLM's kernels saturate)."""
+    bound = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-bound, bound).to(dtype)
 
 
 def dequantize_kv(codes: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """codes x scale in `dtype` (every e4m3 value is exact in bf16 and float32, so the only
-    rounding is the product's, in float32 arithmetic)."""
+    """codes x scale in `dtype` (every e4m3 and e5m2 value is exact in bf16, float16 and
+    float32, so the only rounding is the product's, in float32 arithmetic)."""
     if scale == 1.0:
         return codes.to(dtype)
     return codes.to(torch.float32).mul_(scale).to(dtype)
@@ -85,3 +101,32 @@ def use_fp8_kv(model: nn.Module, fp8: bool) -> None:
     """Have every attention layer quantize its K/V with its scales (fp8), or not."""
     for attn in attention_layers(model):
         attn.kv_scales = (attn.k_scale, attn.v_scale) if fp8 else None
+
+
+def first_step_scales(key: torch.Tensor, value: torch.Tensor) -> tuple[float, float]:
+    """vLLM's calc_kv_scales: max|K| / 200 and max|V| / 100 over a step's keys and values
+    (post-RoPE), the max taken in the model's dtype and divided in float32, as vLLM does.
+    A max is exact and independent of order: the same batch gives the same scales. Where a
+    max is 0 (or not finite) the scale stays 1.0: vLLM would divide by 0 and fill the cache
+    with NaNs."""
+    scales = []
+    for x, constant in ((key, K_SCALE_CONSTANT), (value, V_SCALE_CONSTANT)):
+        scale = float(x.abs().amax().float() / constant)
+        scales.append(scale if 0 < scale < float("inf") else 1.0)
+    return scales[0], scales[1]
+
+
+def take_first_step_scales(attn: nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
+    """--calculate-kv-scales: the layer's scales from this step's K/V, before any of them is
+    written to the cache; then kept for the engine's life (weight rounds included)."""
+    attn.k_scale, attn.v_scale = first_step_scales(key, value)
+    if attn.kv_scales is not None:
+        attn.kv_scales = (attn.k_scale, attn.v_scale)
+    attn.calculate_kv_scales = False
+
+
+def calculate_kv_scales_on_first_step(model: nn.Module) -> None:
+    """Have every attention layer take its scales from the next forward (the engine's first
+    real step: armed after the compile warm-up's dummy steps, which must not count)."""
+    for attn in attention_layers(model):
+        attn.calculate_kv_scales = True

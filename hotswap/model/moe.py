@@ -40,7 +40,6 @@ from hotswap.model.parallel import TPGroup, even_split
 from hotswap.model.quantized import Fp8Stack
 from hotswap.quantization.fp8 import Fp8Config
 
-
 # Rows of one expert that go through the GEMV kernel (bf16; csrc/moe.cpp reads the same
 # bound). An expert's matrix is small and the GEMM library's fixed cost per call weighs
 # more on it: measured on a [1024 x 1024] expert matrix, the GEMV takes 46 / 58 us at
@@ -203,9 +202,9 @@ class FusedExperts(nn.Module):
         if self.invariant:
             return tiled_linear(x, weight, None)
         matvec = self.kernels.gemv if self.kernels is not None else None
-        if matvec is not None and weight.dtype == torch.bfloat16:
-            if x.shape[0] <= EXPERT_MATVEC_MAX_ROWS:
-                return matvec(x, weight)
+        small = x.shape[0] <= EXPERT_MATVEC_MAX_ROWS
+        if matvec is not None and weight.dtype == torch.bfloat16 and small:
+            return matvec(x, weight)
         return F.linear(x, weight)
 
 

@@ -78,7 +78,11 @@ def test_declared_choices_and_aliases() -> None:
     with pytest.raises(argparse.ArgumentError, match="quantization"):
         parser.parse_args(["--quantization", "awq"])  # not served: refused by the parser
     assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"
     with pytest.raises(argparse.ArgumentError, match="kv-cache-dtype"):
-        parser.parse_args(["--kv-cache-dtype", "fp8_e5m2"])  # not served: refused by the parser
+        parser.parse_args(["--kv-cache-dtype", "fp8_inc"])  # not served: refused by the parser
+    assert parser.parse_args(["--calculate-kv-scales"]).calculate_kv_scales is True
+    assert parser.parse_args(["--no-calculate-kv-scales"]).calculate_kv_scales is False
+    assert parser.parse_args([]).calculate_kv_scales is False
     for name in flag_names("kv_cache_memory_bytes", flags["kv_cache_memory_bytes"]):
         assert parser.parse_args([name, "5"]).kv_cache_memory_bytes == 5

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hotswap.model.kernels.build import isa_flags, load_cpu_kernels
+from hotswap.model.kv_fp8 import is_fp8_kv
 
 __all__ = ["CpuKernels", "LayerKernels", "load_cpu_kernels"]
 
@@ -88,10 +89,10 @@ class CpuKernels(LayerKernels):
     def tiles_apply(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
                     block_size: int, compute_dtype: torch.dtype | None = None) -> bool:  # fmt: skip
         """Whether the tiled cache and its kernel (csrc/paged_attention_tiles.cpp) serve
-        this model: a bf16 cache (or an FP8 one under bf16 queries: `compute_dtype`), head
-        size 64 or 128, at most 8 query heads per kv head, blocks of whole tiles, on a CPU
-        the kernels were built with AVX-512 BF16 for."""
-        fp8_cache = dtype == torch.float8_e4m3fn and compute_dtype == torch.bfloat16
+        this model: a bf16 cache (or an e4m3 or e5m2 one under bf16 queries:
+        `compute_dtype`), head size 64 or 128, at most 8 query heads per kv head, blocks of
+        whole tiles, on a CPU the kernels were built with AVX-512 BF16 for."""
+        fp8_cache = is_fp8_kv(dtype) and compute_dtype == torch.bfloat16
         return (
             (dtype == torch.bfloat16 or fp8_cache)
             and head_dim in (64, 128)

@@ -11,6 +11,7 @@ from torch import nn
 
 from hotswap.model.attention import AttentionBackend, AttentionMetadata
 from hotswap.model.kernels import LayerKernels
+from hotswap.model.kv_fp8 import take_first_step_scales
 from hotswap.model.layers import (
     Linear,
     RMSNorm,
@@ -83,6 +84,8 @@ class Attention(nn.Module):
         # given: (k_scale, v_scale) with an FP8 cache, None (no quantization) otherwise.
         self.k_scale = self.v_scale = 1.0
         self.kv_scales: tuple[float, float] | None = None
+        # --calculate-kv-scales: set for the first real step, which takes the scales
+        self.calculate_kv_scales = False
 
     def forward(self, rope: RopeTable, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
@@ -102,6 +105,8 @@ class Attention(nn.Module):
         q, k = qk.split([heads, kv_heads], dim=1)
         if self.k_cache.numel() == 0:
             raise RuntimeError("attention: no KV cache is bound to the model")
+        if self.calculate_kv_scales:  # before the backend writes any code (kv_fp8.py)
+            take_first_step_scales(self, k, v)
         out = self.backend.forward(q, k, v, (self.k_cache, self.v_cache), meta, self.scale,
                                    self.kv_scales)  # fmt: skip
         return self.o_proj(out.reshape(tokens, -1))

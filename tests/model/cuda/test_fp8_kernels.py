@@ -89,7 +89,7 @@ def test_store_kv_divides_by_the_scale_as_quantize_kv() -> None:
     k_cache = torch.zeros(tokens, 1, 1, 32, dtype=FP8_KV_DTYPE, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     ops.store_kv_(x, x, k_cache, v_cache, torch.arange(tokens, device=DEVICE), scale, 1.0)
-    want = quantize_kv(x, scale).view(torch.uint8)
+    want = quantize_kv(x, scale, FP8_KV_DTYPE).view(torch.uint8)
     assert torch.equal(k_cache.view(torch.uint8).view(want.shape), want)
 
 
@@ -106,7 +106,8 @@ def fp8_cache(lengths: list[int], kv_heads: int, dim: int, block_size: int,
     """FP8 caches of keys and values of a few units (codes of value / scale), the same
     read back by kv_fp8.py in `dtype`, and the block tables."""
     k, v, tables = paged_cache(lengths, kv_heads, dim, block_size, torch.float32, seed)
-    k_codes, v_codes = quantize_kv(k * 3, scales[0]), quantize_kv(v * 3, scales[1])
+    k_codes = quantize_kv(k * 3, scales[0], FP8_KV_DTYPE)
+    v_codes = quantize_kv(v * 3, scales[1], FP8_KV_DTYPE)
     k_ref = dequantize_kv(k_codes, scales[0], dtype)
     v_ref = dequantize_kv(v_codes, scales[1], dtype)
     return k_codes, v_codes, k_ref, v_ref, tables

@@ -2,32 +2,32 @@
 // one query token per sequence attends to its context read in place from the paged cache
 // (no gather into a copy); online softmax over the blocks in order, float32 throughout.
 // Any dtype, head size and group size; bf16 caches on CPUs with AVX-512 BF16 are kept in
-// tiles instead and read by paged_attention_tiles.cpp. An FP8 cache (--kv-cache-dtype fp8)
-// holds e4m3 codes, read as their values / 2^8 (fp8_codes.h): the layer's k_scale and the
-// 2^8 fold into the query's scale, its v_scale and the 2^8 into the output's, so a key or
-// value costs no multiply of its own.
+// tiles instead and read by paged_attention_tiles.cpp. An FP8 cache (--kv-cache-dtype fp8,
+// fp8_e5m2) holds e4m3 or e5m2 codes, read as their values / kShift (fp8_codes.h: 2^8 for
+// e4m3, 1 for e5m2): the layer's k_scale and kShift fold into the query's scale, its
+// v_scale and kShift into the output's, so a key or value costs no multiply of its own.
 #include "fp8_codes.h"
 
 namespace hotswap {
 namespace {
 
 // 2 * kLanes cache elements, and one, as float32: the model dtype's values, or FP8 codes'
-// values / 2^8.
+// values / kShift.
 template <typename C>
 inline std::pair<FVec, FVec> load_cache_pair(const C* p) {
-  return load_pair<C>(p);
-}
-template <>
-inline std::pair<FVec, FVec> load_cache_pair<uint8_t>(const uint8_t* p) {
-  return {widen_codes(p), widen_codes(p + kLanes)};
+  if constexpr (kIsFp8Kv<C>) {
+    const auto* codes = reinterpret_cast<const uint8_t*>(p);
+    return {Fp8Kv<C>::widen(codes), Fp8Kv<C>::widen(codes + kLanes)};
+  } else {
+    return load_pair<C>(p);
+  }
 }
 template <typename C>
 inline float cache_value(C x) {
-  return static_cast<float>(x);
-}
-template <>
-inline float cache_value<uint8_t>(uint8_t x) {
-  return code_value(x);
+  if constexpr (kIsFp8Kv<C>)
+    return Fp8Kv<C>::value(x.x);
+  else
+    return static_cast<float>(x);
 }
 
 // acc[0, D) += p * v[0, D), v a row of the value cache. The model dtype's caches keep the
@@ -35,7 +35,7 @@ inline float cache_value<uint8_t>(uint8_t x) {
 template <typename C>
 inline void add_value_row(float* acc, float p, const C* v, int64_t D, int64_t dmain) {
   int64_t d = 0;
-  if constexpr (std::is_same_v<C, uint8_t>) {
+  if constexpr (kIsFp8Kv<C>) {
     const FVec pv(p);
     for (; d < dmain; d += 2 * kLanes) {
       auto [lo, hi] = load_cache_pair<C>(v + d);
@@ -47,8 +47,9 @@ inline void add_value_row(float* acc, float p, const C* v, int64_t D, int64_t dm
 }
 
 // Paged decode attention, portable path: any dtype, head size and group size; C, the
-// cache's element (T, or uint8_t for FP8 codes). `scale` multiplies the query (the softmax
-// scale, times an FP8 cache's k_scale * 2^8), out_scale the output (1, or v_scale * 2^8).
+// cache's element (T, or c10::Float8_e4m3fn / c10::Float8_e5m2 for FP8 codes). `scale`
+// multiplies the query (the softmax scale, times an FP8 cache's k_scale * kShift),
+// out_scale the output (1, or v_scale * kShift).
 // One task per (sequence, kv head); its G query heads share every key and value row read.
 template <typename T, typename C>
 void decode_portable(const T* q, const C* kc, const C* vc, const int64_t* tables,
@@ -142,10 +143,12 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) &&
                   key_cache.is_contiguous() && value_cache.is_contiguous(),
               "paged_decode_attention: query rows [H, D] and the caches must be contiguous");
-  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool e5m2 = key_cache.scalar_type() == at::kFloat8_e5m2, fp8 = e4m3 || e5m2;
   TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type() &&
                   (fp8 || query.scalar_type() == key_cache.scalar_type()),
-              "paged_decode_attention: the caches must share the query's dtype or be float8_e4m3fn");
+              "paged_decode_attention: the caches must share the query's dtype or be float8_e4m3fn "
+              "or float8_e5m2");
   TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
               "paged_decode_attention: k_scale and v_scale apply to FP8 caches only");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
@@ -163,19 +166,21 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& key
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t max_blocks = block_tables.size(1);
   HOTSWAP_DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
-    if (fp8) {
-      const auto* kc = reinterpret_cast<const uint8_t*>(key_cache.data_ptr());
-      const auto* vc = reinterpret_cast<const uint8_t*>(value_cache.data_ptr());
-      decode_portable<scalar_t, uint8_t>(
-          query.data_ptr<scalar_t>(), kc, vc, tables, lens,
-          static_cast<float>(scale * k_scale * kHalfShift), static_cast<float>(v_scale * kHalfShift),
-          out.data_ptr<scalar_t>(), B, H, KVH, D, bs, max_blocks, query.stride(0));
-      return;
-    }
-    decode_portable<scalar_t, scalar_t>(query.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
-                                        value_cache.data_ptr<scalar_t>(), tables, lens,
-                                        static_cast<float>(scale), 1.f, out.data_ptr<scalar_t>(),
-                                        B, H, KVH, D, bs, max_blocks, query.stride(0));
+    auto run = [&](auto* kc, auto* vc, float shift) {
+      using C = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
+      decode_portable<scalar_t, C>(query.data_ptr<scalar_t>(), kc, vc, tables, lens,
+                                   static_cast<float>(scale * k_scale * shift),
+                                   static_cast<float>(v_scale * shift), out.data_ptr<scalar_t>(), B, H,
+                                   KVH, D, bs, max_blocks, query.stride(0));
+    };
+    if (e4m3)
+      run(key_cache.data_ptr<c10::Float8_e4m3fn>(), value_cache.data_ptr<c10::Float8_e4m3fn>(),
+          Fp8Kv<c10::Float8_e4m3fn>::kShift);
+    else if (e5m2)
+      run(key_cache.data_ptr<c10::Float8_e5m2>(), value_cache.data_ptr<c10::Float8_e5m2>(),
+          Fp8Kv<c10::Float8_e5m2>::kShift);
+    else
+      run(key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(), 1.f);
   });
   return out;
 }

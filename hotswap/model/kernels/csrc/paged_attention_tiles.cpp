@@ -13,12 +13,13 @@
 // rescale of the accumulators. Float32 sums throughout; probabilities are rounded to bf16
 // for the value products (as torch's flash attention does for bf16) and summed as rounded.
 //
-// An FP8 cache (--kv-cache-dtype fp8, bf16 queries) keeps e4m3 codes in the same tiles, a
-// byte each: a key line of 32 codes widens to 32 float16 values (the codes' values / 2^8,
-// exact: fp8_codes.h) whose even and odd lanes become the two float vectors; a value
+// An FP8 cache (--kv-cache-dtype fp8 or fp8_e5m2, bf16 queries) keeps e4m3 or e5m2 codes
+// in the same tiles, a byte each: a key line of 32 codes widens to 32 float16 values (the
+// codes' values / kShift, exact: fp8_codes.h; e4m3 by a sign extension, shift and mask,
+// e5m2 by a shift alone) whose even and odd lanes become the two float vectors; a value
 // line the same, the pair of positions then weighted by two FMAs instead of one BF16 dot
-// product. The layer's k_scale and the 2^8 fold into the query's scale, v_scale and the
-// 2^8 into the output's: half the bytes read, no multiply per element.
+// product. The layer's k_scale and kShift fold into the query's scale, v_scale and kShift
+// into the output's: half the bytes read, no multiply per element.
 #include "fp8_codes.h"
 
 namespace hotswap {
@@ -50,14 +51,21 @@ inline std::pair<__m512, __m512> split_pairs(const at::BFloat16* p) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
           _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
 }
-inline std::pair<__m512, __m512> split_pairs(const uint8_t* p) {  // e4m3 codes / 2^8
-  const __m512i c = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i half = _mm512_and_si512(_mm512_slli_epi16(c, 7), _mm512_set1_epi16(-0x4001));
+// 32 float16 values (as 16-bit lanes) as two float vectors: the even lanes, the odd ones.
+inline std::pair<__m512, __m512> split_halves(__m512i half) {
   return {_mm512_cvtph_ps(_mm512_cvtepi32_epi16(half)),
           _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(half, 16)))};
 }
+inline std::pair<__m512, __m512> split_pairs(const c10::Float8_e4m3fn* p) {  // codes / 2^8
+  const __m512i c = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return split_halves(_mm512_and_si512(_mm512_slli_epi16(c, 7), _mm512_set1_epi16(-0x4001)));
+}
+inline std::pair<__m512, __m512> split_pairs(const c10::Float8_e5m2* p) {  // codes' values
+  const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return split_halves(_mm512_slli_epi16(c, 8));
+}
 
-// C: the cache's element, at::BFloat16 or uint8_t (e4m3 codes).
+// C: the cache's element, at::BFloat16, c10::Float8_e4m3fn or c10::Float8_e5m2.
 template <int D, int G, typename C>
 struct TileTask {
   static constexpr int FV = D / 16;  // float vectors per head row
@@ -212,10 +220,11 @@ at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tenso
                                         double v_scale) {
   TORCH_CHECK(query.dim() == 3 && key_tiles.dim() == 4 && value_tiles.sizes() == key_tiles.sizes(),
               "paged_decode_attention_tiles: query [B, H, D], caches [blocks, kv_heads, block_size/16, 16*D]");
-  const bool fp8 = key_tiles.scalar_type() == at::kFloat8_e4m3fn;
+  const bool e4m3 = key_tiles.scalar_type() == at::kFloat8_e4m3fn;
+  const bool e5m2 = key_tiles.scalar_type() == at::kFloat8_e5m2, fp8 = e4m3 || e5m2;
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && value_tiles.scalar_type() == key_tiles.scalar_type() &&
                   (fp8 || key_tiles.scalar_type() == at::kBFloat16),
-              "paged_decode_attention_tiles: a bf16 query, bf16 or float8_e4m3fn caches");
+              "paged_decode_attention_tiles: a bf16 query, bf16, float8_e4m3fn or float8_e5m2 caches");
   TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0),
               "paged_decode_attention_tiles: k_scale and v_scale apply to FP8 caches only");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && key_tiles.is_contiguous() &&
@@ -231,9 +240,12 @@ at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tenso
   auto out = at::empty({B, H, D}, query.options());
   if (B == 0) return out;
 #if defined(__AVX512BF16__)
-  const float query_scale = static_cast<float>(fp8 ? scale * k_scale * kHalfShift : scale);
-  const float out_scale = static_cast<float>(fp8 ? v_scale * kHalfShift : 1.0);
   auto run = [&](auto* kc, auto* vc) {
+    using C = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
+    float shift = 1.f;  // a bf16 cache's (its scales are 1)
+    if constexpr (kIsFp8Kv<C>) shift = Fp8Kv<C>::kShift;
+    const float query_scale = static_cast<float>(scale * k_scale * shift);
+    const float out_scale = static_cast<float>(v_scale * shift);
     const auto args = std::make_tuple(query.data_ptr<at::BFloat16>(), kc, vc, block_tables.data_ptr<int64_t>(),
                                       context_lens.data_ptr<int64_t>(), query_scale, out_scale,
                                       out.data_ptr<at::BFloat16>(), H, KVH, tpb, block_tables.size(1),
@@ -243,8 +255,10 @@ at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tenso
     else
       std::apply([&](auto... a) { decode_for_group<128>(H / KVH, a...); }, args);
   };
-  if (fp8)
-    run(reinterpret_cast<const uint8_t*>(key_tiles.data_ptr()), reinterpret_cast<const uint8_t*>(value_tiles.data_ptr()));
+  if (e4m3)
+    run(key_tiles.data_ptr<c10::Float8_e4m3fn>(), value_tiles.data_ptr<c10::Float8_e4m3fn>());
+  else if (e5m2)
+    run(key_tiles.data_ptr<c10::Float8_e5m2>(), value_tiles.data_ptr<c10::Float8_e5m2>());
   else
     run(key_tiles.data_ptr<at::BFloat16>(), value_tiles.data_ptr<at::BFloat16>());
   return out;
@@ -255,7 +269,7 @@ at::Tensor paged_decode_attention_tiles(const at::Tensor& query, const at::Tenso
 
 namespace {
 
-template <typename E>  // the elements' bits: uint16_t (bf16, float16), uint8_t (e4m3 codes)
+template <typename E>  // the elements' bits: uint16_t (bf16, float16), uint8_t (FP8 codes)
 void copy_into_tiles(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_tiles,
                      at::Tensor& value_tiles, const int64_t* slot) {
   const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2), tpb = key_tiles.size(2);
@@ -283,17 +297,18 @@ void copy_into_tiles(const at::Tensor& key, const at::Tensor& value, at::Tensor&
 }  // namespace
 
 // key/value [T, kv_heads, D] of new tokens into their slots' tiles (slot = block * block_size
-// + offset); any 2-byte dtype, or e4m3 codes (an FP8 cache's, already quantized), as the
-// copy only moves bits.
+// + offset); any 2-byte dtype, or e4m3 or e5m2 codes (an FP8 cache's, already quantized),
+// as the copy only moves bits.
 void write_kv_tiles(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_tiles,
                     at::Tensor& value_tiles, const at::Tensor& slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
               "write_kv_tiles: key and value [tokens, kv_heads, D] with contiguous rows");
   TORCH_CHECK(key_tiles.is_contiguous() && value_tiles.is_contiguous() && key_tiles.dim() == 4 &&
                   value_tiles.sizes() == key_tiles.sizes() &&
-                  (key_tiles.element_size() == 2 || key_tiles.scalar_type() == at::kFloat8_e4m3fn) &&
+                  (key_tiles.element_size() == 2 || key_tiles.scalar_type() == at::kFloat8_e4m3fn ||
+                   key_tiles.scalar_type() == at::kFloat8_e5m2) &&
                   key.scalar_type() == key_tiles.scalar_type() && value.scalar_type() == key_tiles.scalar_type(),
-              "write_kv_tiles: contiguous 2-byte or float8_e4m3fn caches [blocks, kv_heads, block_size/16, 16*D] "
+              "write_kv_tiles: contiguous 2-byte, float8_e4m3fn or float8_e5m2 caches [blocks, kv_heads, block_size/16, 16*D] "
               "of the keys' dtype");
   const int64_t T = key.size(0), KVH = key.size(1), D = key.size(2), tpb = key_tiles.size(2);
   TORCH_CHECK(key_tiles.size(1) == KVH && key_tiles.size(3) == 16 * D && D % 2 == 0,
