@@ -72,7 +72,8 @@ def build_expert_layers(
     layers: dict[str, ExpertMatrices] = {}
     for module, (a, b) in sorted(pairs.items()):
         name = _EXPERTS.fullmatch(module)["experts"].replace(".block_sparse_moe.", ".mlp.")
-        count = _experts_of(model, name, module).gate_up_proj.shape[0]
+        _experts_of(model, name, module)
+        count = model.moe.num_experts  # an adapter holds every expert (the rank: some)
         parameter = _which_parameter(module, a, b, count, whole_shapes(model))
         if parameter in layers.setdefault(name, {}):
             raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module}: two adapters on "
@@ -105,11 +106,6 @@ def _experts_of(model: Any, name: str, module: str) -> Any:
     if not isinstance(experts, FusedExperts):
         raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module} is not a mixture of "
                               "experts' routed experts of this model")  # fmt: skip
-    if model.tp.expert_parallel:
-        raise InvalidArgument(
-            "lora_path", "adapter_config.json: target_parameters: adapters on routed "
-            "experts are not served with --enable-expert-parallel yet"
-        )  # fmt: skip
     return experts
 
 
@@ -173,14 +169,19 @@ class ExpertLoRA:
     in] and B [experts, out, rank] (the scaling folded in), zero-padded to max_lora_rank.
     Plain tensors, not parameters (digests and weight rounds never see them).
 
-    Under tensor parallelism (rank `rank` of `ranks`) each rank holds its share of every
-    expert's intermediate dimension, and of the adapter as vLLM splits LoRA: gate_up_proj
-    (column-parallel) its gate and up rows of B, A whole; down_proj (row-parallel) its
-    columns of A, B whole, so the ranks' partial products sum in the block's all-reduce."""
+    Under tensor parallelism (share `rank` of `ranks` of the intermediate dimension) each
+    rank holds its share of every expert's intermediate dimension, and of the adapter as
+    vLLM splits LoRA: gate_up_proj (column-parallel) its gate and up rows of B, A whole;
+    down_proj (row-parallel) its columns of A, B whole, so the ranks' partial products sum
+    in the block's all-reduce. Under expert parallelism the rank holds the experts `held`
+    (global ids) whole, `ranks` 1: their A and B whole, indexed by local id (a pair routed
+    to another rank's expert never reaches `add`), the other ranks adding theirs in the
+    same all-reduce."""
 
     def __init__(self, experts: Any, max_loras: int, max_rank: int, context: Any,
-                 rank: int = 0, ranks: int = 1) -> None:  # fmt: skip
+                 held: range, rank: int = 0, ranks: int = 1) -> None:  # fmt: skip
         self.context = context
+        self.held = held
         self.rank, self.ranks = rank, ranks
         self.inter = experts.down_proj.shape[2]  # this rank's share of the intermediate
         self.a: dict[str, torch.Tensor] = {}
@@ -209,6 +210,8 @@ class ExpertLoRA:
 
     def _rank_part(self, parameter: str, a: torch.Tensor,
                    b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        # whole adapters hold every expert (peft's count); the rank keeps its own
+        a, b = a[self.held.start : self.held.stop], b[self.held.start : self.held.stop]
         if self.ranks == 1:
             return a, b
         start, size = self.rank * self.inter, self.inter

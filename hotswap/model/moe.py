@@ -121,6 +121,8 @@ class FusedExperts(nn.Module):
         skipped, counts = counts[0], counts[1:]
         order = order[skipped:]
         hit = [expert for expert, n in enumerate(counts) if n]
+        if not hit:  # every pair on another rank's experts (a decode step under EP)
+            return x.new_zeros((tokens, self.down_proj.shape[1]))
         sizes = [counts[expert] for expert in hit]
         rows = x.index_select(0, order // top_k)
         # Two passes over the experts hit, the activation once between them: per expert

@@ -129,21 +129,30 @@ def test_bad_expert_adapters_are_refused_naming_the_field(
         run(dense, LoRARequest("dense", 1, str(good)))
 
 
+@pytest.mark.parametrize(
+    ("arch", "expert_parallel"),
+    [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", True)],
+    ids=["tp", "ep", "ep-shared-expert"],
+)
 def test_expert_adapters_on_two_ranks_equal_one_rank_and_peft(
-    tiny_model_factory, tmp_path: Path
+    tiny_model_factory, tmp_path: Path, arch: str, expert_parallel: bool
 ) -> None:
-    """Each rank holds its share of every expert's intermediate dimension and of the
-    adapter (gate_up_proj: its gate and up rows of B; down_proj: its columns of A)."""
-    model_dir = tiny_model_factory("qwen3_moe")
+    """Tensor parallelism: each rank holds its share of every expert's intermediate
+    dimension and of the adapter (gate_up_proj: its gate and up rows of B; down_proj: its
+    columns of A). Expert parallelism: each rank holds its experts whole, and the
+    adapter's A and B of those experts only."""
+    model_dir = tiny_model_factory(arch)
     down = ["mlp.experts.down_proj"]
     paths = [expert_adapter(model_dir, tmp_path / "a", BOTH, seed=6),
              expert_adapter(model_dir, tmp_path / "b", down, seed=7)]  # fmt: skip
     loras = [LoRARequest("a", 1, str(paths[0])), None, LoRARequest("b", 2, str(paths[1]))]
     prompts = [{"prompt_token_ids": PROMPT[: 10 + 3 * i]} for i in range(3)]
     single = engine(model_dir).generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
-    llm = engine(model_dir, tensor_parallel_size=2)
+    llm = engine(model_dir, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     try:
         parallel = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        held = llm.engine.runner.model.sparse_blocks()[0].experts.lora.a["gate_up_proj"]
+        assert held.shape[1] == (4 if expert_parallel else 8)  # rank 0's experts of 8
     finally:
         llm.shutdown()
     for one, two, prompt, lora in zip(single, parallel, prompts, loras, strict=True):
