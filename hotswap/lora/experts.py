@@ -12,14 +12,16 @@ each pair is told apart by its shapes (the two pairs' shapes always differ: they
 need hidden = inter = 2 x inter).
 
 Applied per (token, expert) pair inside the experts' block, before the activation for
-gate/up and before the slots are mixed for down: each adapter's pairs, grouped by expert,
-run as two batched products (shrink, expand) per projection, padded to the busiest
-expert's count, and are added to the base products' rows.
+gate/up and before the slots are mixed for down: each adapter's pairs, grouped by expert
+once per block (both projections read the grouping; each row's slot is made once per
+step), run as two batched products (shrink, expand) per projection, padded to the
+busiest expert's count, and are added to the base products' rows.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -164,6 +166,17 @@ def expected_expert_tensors(config: Any, model: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@dataclass(frozen=True)
+class PairGroups:
+    """One adapter slot's (token, expert) pairs of a block's forward, grouped by expert
+    and padded to the busiest expert's count."""
+
+    slot: int
+    ids: torch.Tensor  # [groups]: each group's expert (this rank's id)
+    pairs: torch.Tensor  # [groups, longest]: the grouped pairs (padding repeats the first)
+    valid: torch.Tensor  # [groups, longest, 1]: True for a pair, False for padding
+
+
 class ExpertLoRA:
     """A routed experts block's adapter slots: per slot and parameter, A [experts, rank,
     in] and B [experts, out, rank] (the scaling folded in), zero-padded to max_lora_rank.
@@ -228,30 +241,31 @@ class ExpertLoRA:
             return []
         return sorted({s.slot for s in batch.segments} & self.filled)
 
-    def add(self, parameter: str, x: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor,
-            experts: torch.Tensor, slots: list[int]) -> None:  # fmt: skip
-        """out[p] += B[slot, e] @ A[slot, e] @ x[p] for every pair p of an adapter's row;
-        `tokens` and `experts` give each pair's row of the step and its expert, pairs in
-        ascending expert order (the block's grouping)."""
-        row_slot = self._row_slots(int(tokens.max()) + 1, out.device)
-        pair_slot = row_slot[tokens]
+    def group(self, tokens: torch.Tensor, experts: torch.Tensor, rows: int,
+              slots: list[int]) -> list[PairGroups]:  # fmt: skip
+        """Each adapter slot's pairs grouped by expert, once per block forward (both
+        projections read them); `tokens` and `experts` give each pair's row of the step
+        (of `rows`) and its expert, pairs in ascending expert order (the block's grouping)."""
+        pair_slot = self.context.row_slots(rows, experts.device)[tokens]
+        found = []
         for slot in slots:
             chosen = (pair_slot == slot).nonzero().squeeze(1)
             if chosen.numel() == 0:
                 continue
             ids, counts = torch.unique_consecutive(experts[chosen], return_counts=True)
             starts = counts.cumsum(0) - counts
-            offsets = torch.arange(int(counts.max()), device=out.device)
+            offsets = torch.arange(int(counts.max()), device=experts.device)
             valid = offsets[None, :] < counts[:, None]  # [groups, longest]
             pairs = chosen[torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])]
-            shrink = torch.bmm(x[pairs], self.a[parameter][slot][ids].transpose(1, 2))
-            delta = torch.bmm(shrink, self.b[parameter][slot][ids].transpose(1, 2))
-            delta = delta * valid[..., None].to(delta.dtype)  # padding adds zeros
-            out.index_add_(0, pairs.view(-1), delta.view(-1, out.shape[1]))
+            found.append(PairGroups(slot, ids, pairs, valid[..., None]))
+        return found
 
-    def _row_slots(self, rows: int, device: torch.device) -> torch.Tensor:
-        """Each row's slot (-1: the base model) from the step's segments."""
-        row_slot = torch.full((rows,), -1, dtype=torch.long)
-        for segment in self.context.batch.segments:
-            row_slot[segment.start : min(segment.end, rows)] = segment.slot
-        return row_slot.to(device)
+    def add(self, parameter: str, x: torch.Tensor, out: torch.Tensor,
+            groups: list[PairGroups]) -> None:  # fmt: skip
+        """out[p] += B[slot, e] @ A[slot, e] @ x[p] for every pair p of an adapter's row
+        (`groups`: from `group`)."""
+        for g in groups:
+            shrink = torch.bmm(x[g.pairs], self.a[parameter][g.slot][g.ids].transpose(1, 2))
+            delta = torch.bmm(shrink, self.b[parameter][g.slot][g.ids].transpose(1, 2))
+            delta = delta * g.valid.to(delta.dtype)  # padding adds zeros
+            out.index_add_(0, g.pairs.view(-1), delta.view(-1, out.shape[1]))

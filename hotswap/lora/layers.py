@@ -83,6 +83,19 @@ class LoRAContext:
 
     def __init__(self) -> None:
         self.batch: LoRABatch | None = None
+        self._row_slots: tuple[LoRABatch, torch.Tensor] | None = None
+
+    def row_slots(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Each of the step's `rows` rows' slot (-1: the base model), made once per step
+        (every routed experts block reads it)."""
+        batch, cached = self.batch, self._row_slots
+        assert batch is not None
+        if cached is None or cached[0] is not batch or cached[1].shape[0] != rows:
+            row_slot = torch.full((rows,), -1, dtype=torch.long)
+            for segment in batch.segments:
+                row_slot[segment.start : min(segment.end, rows)] = segment.slot
+            cached = self._row_slots = (batch, row_slot.to(device))
+        return cached[1]
 
 
 class LinearLoRA:

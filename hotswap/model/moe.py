@@ -130,14 +130,14 @@ class FusedExperts(nn.Module):
         up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         gate_up = torch.cat([self._linear(segment, up[expert])
                              for segment, expert in zip(rows.split(sizes), hit)])  # fmt: skip
-        if adapters:
-            pairs = (order // top_k, flat[order])  # each grouped row's token and expert
-            self.lora.add("gate_up_proj", rows, gate_up, *pairs, adapters)
+        if adapters:  # each grouped row's token and expert, by adapter
+            groups = self.lora.group(order // top_k, flat[order], tokens, adapters)
+            self.lora.add("gate_up_proj", rows, gate_up, groups)
         hidden = self.kernels.silu_and_mul(gate_up) if self.kernels else silu_and_mul(gate_up)
         grouped = torch.cat([self._linear(segment, down[expert])
                              for segment, expert in zip(hidden.split(sizes), hit)])  # fmt: skip
         if adapters:
-            self.lora.add("down_proj", hidden, grouped, *pairs, adapters)
+            self.lora.add("down_proj", hidden, grouped, groups)
         if skipped:  # other ranks' pairs add nothing
             out = grouped.new_zeros((tokens * top_k, grouped.shape[1]))
         else:
