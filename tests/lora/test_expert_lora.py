@@ -131,8 +131,8 @@ def test_bad_expert_adapters_are_refused_naming_the_field(
 
 @pytest.mark.parametrize(
     ("arch", "expert_parallel"),
-    [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", True)],
-    ids=["tp", "ep", "ep-shared-expert"],
+    [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", True), ("mixtral", True)],
+    ids=["tp", "ep", "ep-shared-expert", "ep-mixtral"],
 )
 def test_expert_adapters_on_two_ranks_equal_one_rank_and_peft(
     tiny_model_factory, tmp_path: Path, arch: str, expert_parallel: bool
