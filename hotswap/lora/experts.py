@@ -12,14 +12,16 @@ each pair is told apart by its shapes (the two pairs' shapes always differ: they
 need hidden = inter = 2 x inter).
 
 Applied per (token, expert) pair inside the experts' block, before the activation for
-gate/up and before the slots are mixed for down: each adapter's pairs, grouped by expert,
-run as two batched products (shrink, expand) per projection, padded to the busiest
-expert's count, and are added to the base products' rows.
+gate/up and before the slots are mixed for down: each adapter's pairs, grouped by expert
+once per block (both projections read the grouping; each row's slot is made once per
+step), run as two batched products (shrink, expand) per projection, padded to the
+busiest expert's count, and are added to the base products' rows.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,7 +74,8 @@ def build_expert_layers(
     layers: dict[str, ExpertMatrices] = {}
     for module, (a, b) in sorted(pairs.items()):
         name = _EXPERTS.fullmatch(module)["experts"].replace(".block_sparse_moe.", ".mlp.")
-        count = _experts_of(model, name, module).gate_up_proj.shape[0]
+        _experts_of(model, name, module)
+        count = model.moe.num_experts  # an adapter holds every expert (the rank: some)
         parameter = _which_parameter(module, a, b, count, whole_shapes(model))
         if parameter in layers.setdefault(name, {}):
             raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module}: two adapters on "
@@ -105,11 +108,6 @@ def _experts_of(model: Any, name: str, module: str) -> Any:
     if not isinstance(experts, FusedExperts):
         raise InvalidArgument("lora_path", f"{WEIGHTS_FILE}: {module} is not a mixture of "
                               "experts' routed experts of this model")  # fmt: skip
-    if model.tp.expert_parallel:
-        raise InvalidArgument(
-            "lora_path", "adapter_config.json: target_parameters: adapters on routed "
-            "experts are not served with --enable-expert-parallel yet"
-        )  # fmt: skip
     return experts
 
 
@@ -168,19 +166,35 @@ def expected_expert_tensors(config: Any, model: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@dataclass(frozen=True)
+class PairGroups:
+    """One adapter slot's (token, expert) pairs of a block's forward, grouped by expert
+    and padded to the busiest expert's count."""
+
+    slot: int
+    ids: torch.Tensor  # [groups]: each group's expert (this rank's id)
+    pairs: torch.Tensor  # [groups, longest]: the grouped pairs (padding repeats the first)
+    valid: torch.Tensor  # [groups, longest, 1]: True for a pair, False for padding
+
+
 class ExpertLoRA:
     """A routed experts block's adapter slots: per slot and parameter, A [experts, rank,
     in] and B [experts, out, rank] (the scaling folded in), zero-padded to max_lora_rank.
     Plain tensors, not parameters (digests and weight rounds never see them).
 
-    Under tensor parallelism (rank `rank` of `ranks`) each rank holds its share of every
-    expert's intermediate dimension, and of the adapter as vLLM splits LoRA: gate_up_proj
-    (column-parallel) its gate and up rows of B, A whole; down_proj (row-parallel) its
-    columns of A, B whole, so the ranks' partial products sum in the block's all-reduce."""
+    Under tensor parallelism (share `rank` of `ranks` of the intermediate dimension) each
+    rank holds its share of every expert's intermediate dimension, and of the adapter as
+    vLLM splits LoRA: gate_up_proj (column-parallel) its gate and up rows of B, A whole;
+    down_proj (row-parallel) its columns of A, B whole, so the ranks' partial products sum
+    in the block's all-reduce. Under expert parallelism the rank holds the experts `held`
+    (global ids) whole, `ranks` 1: their A and B whole, indexed by local id (a pair routed
+    to another rank's expert never reaches `add`), the other ranks adding theirs in the
+    same all-reduce."""
 
     def __init__(self, experts: Any, max_loras: int, max_rank: int, context: Any,
-                 rank: int = 0, ranks: int = 1) -> None:  # fmt: skip
+                 held: range, rank: int = 0, ranks: int = 1) -> None:  # fmt: skip
         self.context = context
+        self.held = held
         self.rank, self.ranks = rank, ranks
         self.inter = experts.down_proj.shape[2]  # this rank's share of the intermediate
         self.a: dict[str, torch.Tensor] = {}
@@ -209,6 +223,8 @@ class ExpertLoRA:
 
     def _rank_part(self, parameter: str, a: torch.Tensor,
                    b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        # whole adapters hold every expert (peft's count); the rank keeps its own
+        a, b = a[self.held.start : self.held.stop], b[self.held.start : self.held.stop]
         if self.ranks == 1:
             return a, b
         start, size = self.rank * self.inter, self.inter
@@ -225,30 +241,31 @@ class ExpertLoRA:
             return []
         return sorted({s.slot for s in batch.segments} & self.filled)
 
-    def add(self, parameter: str, x: torch.Tensor, out: torch.Tensor, tokens: torch.Tensor,
-            experts: torch.Tensor, slots: list[int]) -> None:  # fmt: skip
-        """out[p] += B[slot, e] @ A[slot, e] @ x[p] for every pair p of an adapter's row;
-        `tokens` and `experts` give each pair's row of the step and its expert, pairs in
-        ascending expert order (the block's grouping)."""
-        row_slot = self._row_slots(int(tokens.max()) + 1, out.device)
-        pair_slot = row_slot[tokens]
+    def group(self, tokens: torch.Tensor, experts: torch.Tensor, rows: int,
+              slots: list[int]) -> list[PairGroups]:  # fmt: skip
+        """Each adapter slot's pairs grouped by expert, once per block forward (both
+        projections read them); `tokens` and `experts` give each pair's row of the step
+        (of `rows`) and its expert, pairs in ascending expert order (the block's grouping)."""
+        pair_slot = self.context.row_slots(rows, experts.device)[tokens]
+        found = []
         for slot in slots:
             chosen = (pair_slot == slot).nonzero().squeeze(1)
             if chosen.numel() == 0:
                 continue
             ids, counts = torch.unique_consecutive(experts[chosen], return_counts=True)
             starts = counts.cumsum(0) - counts
-            offsets = torch.arange(int(counts.max()), device=out.device)
+            offsets = torch.arange(int(counts.max()), device=experts.device)
             valid = offsets[None, :] < counts[:, None]  # [groups, longest]
             pairs = chosen[torch.where(valid, starts[:, None] + offsets[None, :], starts[:, None])]
-            shrink = torch.bmm(x[pairs], self.a[parameter][slot][ids].transpose(1, 2))
-            delta = torch.bmm(shrink, self.b[parameter][slot][ids].transpose(1, 2))
-            delta = delta * valid[..., None].to(delta.dtype)  # padding adds zeros
-            out.index_add_(0, pairs.view(-1), delta.view(-1, out.shape[1]))
+            found.append(PairGroups(slot, ids, pairs, valid[..., None]))
+        return found
 
-    def _row_slots(self, rows: int, device: torch.device) -> torch.Tensor:
-        """Each row's slot (-1: the base model) from the step's segments."""
-        row_slot = torch.full((rows,), -1, dtype=torch.long)
-        for segment in self.context.batch.segments:
-            row_slot[segment.start : min(segment.end, rows)] = segment.slot
-        return row_slot.to(device)
+    def add(self, parameter: str, x: torch.Tensor, out: torch.Tensor,
+            groups: list[PairGroups]) -> None:  # fmt: skip
+        """out[p] += B[slot, e] @ A[slot, e] @ x[p] for every pair p of an adapter's row
+        (`groups`: from `group`)."""
+        for g in groups:
+            shrink = torch.bmm(x[g.pairs], self.a[parameter][g.slot][g.ids].transpose(1, 2))
+            delta = torch.bmm(shrink, self.b[parameter][g.slot][g.ids].transpose(1, 2))
+            delta = delta * g.valid.to(delta.dtype)  # padding adds zeros
+            out.index_add_(0, g.pairs.view(-1), delta.view(-1, out.shape[1]))

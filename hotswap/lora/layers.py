@@ -83,6 +83,19 @@ class LoRAContext:
 
     def __init__(self) -> None:
         self.batch: LoRABatch | None = None
+        self._row_slots: tuple[LoRABatch, torch.Tensor] | None = None
+
+    def row_slots(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Each of the step's `rows` rows' slot (-1: the base model), made once per step
+        (every routed experts block reads it)."""
+        batch, cached = self.batch, self._row_slots
+        assert batch is not None
+        if cached is None or cached[0] is not batch or cached[1].shape[0] != rows:
+            row_slot = torch.full((rows,), -1, dtype=torch.long)
+            for segment in batch.segments:
+                row_slot[segment.start : min(segment.end, rows)] = segment.slot
+            cached = self._row_slots = (batch, row_slot.to(device))
+        return cached[1]
 
 
 class LinearLoRA:
@@ -226,9 +239,11 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int,
     layers: dict[str, LinearLoRA | ExpertLoRA] = {}
     for name, module in model.named_modules():
         if isinstance(module, FusedExperts):
+            # its share of the intermediate dimension: whole under expert parallelism
             tp = model.tp
+            share = (0, 1) if tp.expert_parallel else (tp.rank, tp.size)
             module.lora = layers[name] = ExpertLoRA(module, max_loras, max_rank, context,
-                                                    tp.rank, tp.size)  # fmt: skip
+                                                    model.local_experts(), *share)  # fmt: skip
         elif isinstance(module, Linear) and name.rsplit(".", 1)[-1] in LORA_LAYERS:
             weight = module.weight
             sizes = model.shard_sizes(name)
@@ -280,7 +295,7 @@ class ModelLoRA:
         weight = next(layer.a for layer in self.layers.values() if isinstance(layer, LinearLoRA))
         self.dtype, self.device = weight.dtype, weight.device
         # per layer, per shard: this rank's slice of the weight (None: whole; routed experts
-        # are whole: their adapters are refused under tensor parallelism)
+        # take their part themselves, ExpertLoRA.write_slot)
         self.pieces = {name: _pieces(model, name, len(layer.shard_sizes))
                        if isinstance(layer, LinearLoRA) else dict.fromkeys(EXPERT_PARAMETERS)
                        for name, layer in self.layers.items()}  # fmt: skip

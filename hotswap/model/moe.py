@@ -148,20 +148,22 @@ class FusedExperts(nn.Module):
         skipped, counts = counts[0], counts[1:]
         order = order[skipped:]
         hit = [expert for expert, n in enumerate(counts) if n]
+        if not hit:  # every pair on another rank's experts (a decode step under EP)
+            return x.new_zeros((tokens, self.down_proj.shape[1]))
         sizes = [counts[expert] for expert in hit]
         rows = x.index_select(0, order // top_k)
         # Two passes over the experts hit, the activation once between them: per expert
         # only its two products run from Python (decode hits many experts with 1-2 rows).
         gate_up = torch.cat([self._linear(segment, "gate_up_proj", expert)
                              for segment, expert in zip(rows.split(sizes), hit)])  # fmt: skip
-        if adapters:
-            pairs = (order // top_k, flat[order])  # each grouped row's token and expert
-            self.lora.add("gate_up_proj", rows, gate_up, *pairs, adapters)
+        if adapters:  # each grouped row's token and expert, by adapter
+            groups = self.lora.group(order // top_k, flat[order], tokens, adapters)
+            self.lora.add("gate_up_proj", rows, gate_up, groups)
         hidden = self.kernels.silu_and_mul(gate_up) if self.kernels else silu_and_mul(gate_up)
         grouped = torch.cat([self._linear(segment, "down_proj", expert)
                              for segment, expert in zip(hidden.split(sizes), hit)])  # fmt: skip
         if adapters:
-            self.lora.add("down_proj", hidden, grouped, *pairs, adapters)
+            self.lora.add("down_proj", hidden, grouped, groups)
         if skipped:  # other ranks' pairs add nothing
             out = grouped.new_zeros((tokens * top_k, grouped.shape[1]))
         else:

@@ -204,15 +204,18 @@ class WeightSync:
         targets = {m.name: self._param_target(m.name, checkpoint) for m in metas}
         self.transfer.allocate = lambda m: shadow.receive_buffer(m, targets.get(m.name), fallback)
         sliced = checkpoint and self.model.tp.parallel  # this rank holds a part of each
+        # under expert parallelism a name rank 0 ignores may be another rank's expert:
+        # forwarded all the same (each rank writes what it holds, skips the rest)
+        others = checkpoint and self.model.tp.expert_parallel
         received = []
         try:
             for name, item in self.transfer.receive_weights(update_info, metas):
                 target = targets[name]
-                if target is None:
-                    continue  # a name the model ignores
-                piece = self.model.checkpoint_slice(name) if sliced else None
-                round_.staged[name] = self.writer.write_shadow(target, item, piece)
-                received.append((name, item))
+                if target is not None:
+                    piece = self.model.checkpoint_slice(name) if sliced else None
+                    round_.staged[name] = self.writer.write_shadow(target, item, piece)
+                if target is not None or others:  # else a name the model ignores
+                    received.append((name, item))
         finally:
             self.transfer.allocate = fallback
         self.writer.forward_to_shadows(received)  # the other ranks' parts

@@ -129,21 +129,30 @@ def test_bad_expert_adapters_are_refused_naming_the_field(
         run(dense, LoRARequest("dense", 1, str(good)))
 
 
+@pytest.mark.parametrize(
+    ("arch", "expert_parallel"),
+    [("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", True), ("mixtral", True)],
+    ids=["tp", "ep", "ep-shared-expert", "ep-mixtral"],
+)
 def test_expert_adapters_on_two_ranks_equal_one_rank_and_peft(
-    tiny_model_factory, tmp_path: Path
+    tiny_model_factory, tmp_path: Path, arch: str, expert_parallel: bool
 ) -> None:
-    """Each rank holds its share of every expert's intermediate dimension and of the
-    adapter (gate_up_proj: its gate and up rows of B; down_proj: its columns of A)."""
-    model_dir = tiny_model_factory("qwen3_moe")
+    """Tensor parallelism: each rank holds its share of every expert's intermediate
+    dimension and of the adapter (gate_up_proj: its gate and up rows of B; down_proj: its
+    columns of A). Expert parallelism: each rank holds its experts whole, and the
+    adapter's A and B of those experts only."""
+    model_dir = tiny_model_factory(arch)
     down = ["mlp.experts.down_proj"]
     paths = [expert_adapter(model_dir, tmp_path / "a", BOTH, seed=6),
              expert_adapter(model_dir, tmp_path / "b", down, seed=7)]  # fmt: skip
     loras = [LoRARequest("a", 1, str(paths[0])), None, LoRARequest("b", 2, str(paths[1]))]
     prompts = [{"prompt_token_ids": PROMPT[: 10 + 3 * i]} for i in range(3)]
     single = engine(model_dir).generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
-    llm = engine(model_dir, tensor_parallel_size=2)
+    llm = engine(model_dir, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     try:
         parallel = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        held = llm.engine.runner.model.sparse_blocks()[0].experts.lora.a["gate_up_proj"]
+        assert held.shape[1] == (4 if expert_parallel else 8)  # rank 0's experts of 8
     finally:
         llm.shutdown()
     for one, two, prompt, lora in zip(single, parallel, prompts, loras, strict=True):
@@ -155,13 +164,18 @@ def test_expert_adapters_on_two_ranks_equal_one_rank_and_peft(
         assert torch.allclose(torch.tensor(got), want, atol=1e-5)
 
 
-@pytest.mark.parametrize("parameters", [BOTH, ["mlp.experts.gate_up_proj"]])
+@pytest.mark.parametrize(
+    ("parameters", "expert_parallel"),
+    [(BOTH, False), (["mlp.experts.gate_up_proj"], False), (BOTH, True)],
+    ids=["both", "gate-up", "both-ep"],
+)
 def test_an_expert_adapter_pushed_by_a_trainer_is_created_then_updated(
-    tiny_model_factory, parameters: list[str]
+    tiny_model_factory, parameters: list[str], expert_parallel: bool
 ) -> None:
     """Through a weight-transfer backend, under peft's own tensor names: the first round
     creates the adapter (its expert tensors named as peft nests its wrappers), the next
-    one changes it after an optimizer step; both equal the trainer's forward."""
+    one changes it after an optimizer step; both equal the trainer's forward (under
+    expert parallelism too: two ranks, each keeping its experts' part)."""
     import peft
     import transformers
 
@@ -173,7 +187,9 @@ def test_an_expert_adapter_pushed_by_a_trainer_is_created_then_updated(
     )
 
     model_dir = tiny_model_factory("qwen3_moe")
-    llm = engine(model_dir, weight_transfer_config={"backend": "ipc"})
+    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": True}
+    llm = engine(model_dir, weight_transfer_config={"backend": "ipc"},
+                 **(parallel if expert_parallel else {}))  # fmt: skip
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(8)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
@@ -183,14 +199,17 @@ def test_an_expert_adapter_pushed_by_a_trainer_is_created_then_updated(
     trainer = WeightTransferTrainerFactory.trainer_init(
         IPCTrainerInitInfo(), InProcessWeightSyncClient(llm), source
     )
-    for version in (1, 2):
-        with torch.no_grad():  # a change the experts' adapter makes visible
-            for name, param in policy.named_parameters():
-                if "lora_B" in name and "experts" in name:
-                    param.normal_(0, 0.3)
-        push_adapter(trainer, policy, "policy")
-        completion = run(llm, LoRARequest("policy", 1)).outputs[0]
-        want = reference_logprobs(policy, PROMPT, completion.token_ids)
-        got = torch.tensor(sampled_logprobs(completion))
-        assert torch.allclose(got, want, atol=1e-5), (version, (got - want).abs().max())
-    assert llm.list_lora_adapters()[0]["version"] == 2
+    try:
+        for version in (1, 2):
+            with torch.no_grad():  # a change the experts' adapter makes visible
+                for name, param in policy.named_parameters():
+                    if "lora_B" in name and "experts" in name:
+                        param.normal_(0, 0.3)
+            push_adapter(trainer, policy, "policy")
+            completion = run(llm, LoRARequest("policy", 1)).outputs[0]
+            want = reference_logprobs(policy, PROMPT, completion.token_ids)
+            got = torch.tensor(sampled_logprobs(completion))
+            assert torch.allclose(got, want, atol=1e-5), (version, (got - want).abs().max())
+        assert llm.list_lora_adapters()[0]["version"] == 2
+    finally:
+        llm.shutdown()

@@ -66,6 +66,25 @@ def test_grouped_experts_equal_the_per_token_definition(invariant: bool) -> None
             assert torch.equal(got, alone)
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_pairs_of_another_ranks_experts_add_nothing_on_the_torch_path(invariant: bool) -> None:
+    """Expert parallelism marks another rank's expert -1; a step whose every pair is
+    elsewhere (a decode step on the rank holding none of its experts) gives zeros."""
+    gen = torch.Generator().manual_seed(1)
+    experts = FusedExperts(4, 16, 8, torch.float32, invariant)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(4, 16, 16, generator=gen))
+        experts.down_proj.copy_(torch.randn(4, 16, 8, generator=gen))
+    x = torch.randn(5, 16, generator=gen)
+    weights, ids = route(torch.randn(5, 8, generator=gen), 2, normalise=True)
+    local = torch.where(ids < 4, ids, -1)  # this rank holds experts 0-3 of 8
+    kept = weights.masked_fill(local < 0, 0.0)
+    with torch.no_grad():
+        got = experts(x, local, weights)
+        torch.testing.assert_close(got, naive_experts(experts, x, local.clamp(min=0), kept))
+        assert torch.equal(experts(x, torch.full_like(ids, -1), weights), torch.zeros(5, 16))
+
+
 @pytest.mark.slow  # engines
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_prefix_cache_hits_match_transformers(tiny_model_factory, arch: str) -> None:
