@@ -202,7 +202,8 @@ class ExpertLoRA:
         for parameter in PARAMETERS:
             weight = getattr(experts, parameter)
             count, out_features, in_features = weight.shape
-            shape = dict(dtype=weight.dtype, device=weight.device)
+            # the activations' dtype: FP8 experts' codes are not a compute dtype
+            shape = dict(dtype=experts.compute_dtype, device=weight.device)
             self.a[parameter] = torch.zeros(max_loras, count, max_rank, in_features, **shape)
             self.b[parameter] = torch.zeros(max_loras, count, out_features, max_rank, **shape)
         self.filled: set[int] = set()  # slots holding an adapter with expert matrices

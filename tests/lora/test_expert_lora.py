@@ -213,3 +213,24 @@ def test_an_expert_adapter_pushed_by_a_trainer_is_created_then_updated(
         assert llm.list_lora_adapters()[0]["version"] == 2
     finally:
         llm.shutdown()
+
+
+def test_expert_adapters_on_fp8_experts_equal_peft_on_the_dequantized_model(
+    tiny_model_factory, tmp_path: Path
+) -> None:
+    """With --quantization fp8 the experts hold codes: the adapter's slots take the
+    activations' dtype (not float8), and the engine equals peft over the dequantized
+    weights."""
+    from tests.model.test_fp8 import QUANTIZED, dequantized_copy
+
+    model_dir = tiny_model_factory("qwen3_moe")
+    llm = engine(model_dir, quantization="fp8", hf_overrides=QUANTIZED)
+    assert llm.engine.runner.model.model.layers[0].mlp.experts.gate_up_proj.dtype == (
+        torch.float8_e4m3fn
+    )
+    adapter = expert_adapter(model_dir, tmp_path / "both", BOTH)
+    completion = run(llm, LoRARequest("both", 1, str(adapter))).outputs[0]
+    reference = peft_reference(dequantized_copy(model_dir, tmp_path / "dequantized"), adapter)
+    expected = reference_logprobs(reference, PROMPT, completion.token_ids)
+    got = torch.tensor(sampled_logprobs(completion))
+    assert torch.allclose(got, expected, atol=1e-5), (got - expected).abs().max()
