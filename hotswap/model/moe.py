@@ -40,10 +40,11 @@ from hotswap.model.parallel import TPGroup, even_split
 from hotswap.model.quantized import Fp8Stack
 from hotswap.quantization.fp8 import Fp8Config
 
-# Rows of one expert that go through the GEMV kernel (bf16; csrc/moe.cpp reads the same
-# bound). An expert's matrix is small and the GEMM library's fixed cost per call weighs
-# more on it: measured on a [1024 x 1024] expert matrix, the GEMV takes 46 / 58 us at
-# 12 / 16 rows where the GEMM library takes 86 / 97 (a dense layer crosses over near 12).
+# Rows of one expert that go through the GEMV kernel, bf16 or FP8 (csrc/moe.cpp reads the
+# same bound). An expert's matrix is small and the GEMM library's fixed cost per call
+# weighs more on it: measured on a [1024 x 1024] expert matrix, the bf16 GEMV takes 46 / 58
+# us at 12 / 16 rows where the GEMM library takes 86 / 97 (a dense layer crosses over near
+# 12), the FP8 one 61 / 81 where dequantizing and the GEMM library take 86 / 94.
 EXPERT_MATVEC_MAX_ROWS = 16
 
 
@@ -199,7 +200,8 @@ class FusedExperts(nn.Module):
     def _linear(self, x: torch.Tensor, parameter: str, expert: int) -> torch.Tensor:
         """x through expert `expert`'s `parameter` (gate_up_proj or down_proj)."""
         if self.fp8 is not None:
-            return self.fp8[parameter].linear(x, expert, tiled_linear if self.invariant else None)
+            invariant = tiled_linear if self.invariant else None
+            return self.fp8[parameter].linear(x, expert, invariant, EXPERT_MATVEC_MAX_ROWS)
         weight = getattr(self, parameter)[expert]
         if self.invariant:
             return tiled_linear(x, weight, None)

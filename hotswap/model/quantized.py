@@ -91,10 +91,12 @@ def fp8_linear(
     layout: Fp8Layout,
     bias: torch.Tensor | None,
     invariant_linear: object = None,
+    matvec_rows: int = FP8_MATVEC_MAX_ROWS,
 ) -> torch.Tensor:
     """x @ dequantized(codes)^T (+ bias). `invariant_linear`: batch-invariant mode's
-    fixed-tile product (model/layers.py tiled_linear), over the dequantized weight."""
-    op = None if invariant_linear is not None else _kernel_for(layout.kernels, x)
+    fixed-tile product (model/layers.py tiled_linear), over the dequantized weight.
+    `matvec_rows`: up to this many rows through the CPU GEMV."""
+    op = None if invariant_linear is not None else _kernel_for(layout.kernels, x, matvec_rows)
     if op is not None:
         out = op(x, codes, scale, layout.scale_rows, layout.block[1])
         return out if bias is None else out + bias
@@ -104,14 +106,14 @@ def fp8_linear(
     return F.linear(x, weight, bias)
 
 
-def _kernel_for(kernels: LayerKernels | None, x: torch.Tensor):  # noqa: ANN202 - an op
+def _kernel_for(kernels: LayerKernels | None, x: torch.Tensor, matvec_rows: int):  # noqa: ANN202 - an op
     """The kernel that serves `x`'s rows against FP8 codes, if one does: a GEMM for any
-    rows (the Triton one on CUDA), else the CPU GEMV for a few."""
+    rows (the Triton one on CUDA), else the CPU GEMV for up to `matvec_rows`."""
     if kernels is None:
         return None
     if kernels.fp8_gemm is not None:
         return kernels.fp8_gemm
-    if kernels.fp8_gemv is None or x.shape[0] > FP8_MATVEC_MAX_ROWS:
+    if kernels.fp8_gemv is None or x.shape[0] > matvec_rows:
         return None
     return kernels.fp8_gemv
 
@@ -155,10 +157,11 @@ class Fp8Stack:
         setattr(owner, name, self.weight)
         setattr(owner, scale_name_of(name), self.weight_scale_inv)
 
-    def linear(self, x: torch.Tensor, expert: int, invariant_linear: object = None) -> torch.Tensor:
-        """x @ expert `expert`'s dequantized matrix^T."""
+    def linear(self, x: torch.Tensor, expert: int, invariant_linear: object,
+               matvec_rows: int) -> torch.Tensor:  # fmt: skip
+        """x @ expert `expert`'s dequantized matrix^T (as fp8_linear)."""
         codes, scales = self.weight[expert], self.weight_scale_inv[expert]
-        return fp8_linear(x, codes, scales, self.fp8, None, invariant_linear)
+        return fp8_linear(x, codes, scales, self.fp8, None, invariant_linear, matvec_rows)
 
 
 def receipt_refusal(

@@ -16,11 +16,10 @@
 namespace hotswap {
 namespace {
 
-// EXPERT_MATVEC_MAX_ROWS in model/moe.py: an expert's matrix is small, and the GEMM
-// library's fixed cost per call weighs more on it than on a dense layer's (GEMV ahead to 16
-// rows, where a dense layer's crosses over near 12).
+// EXPERT_MATVEC_MAX_ROWS in model/moe.py, for bf16 and FP8 experts: an expert's matrix is
+// small, and the GEMM library's fixed cost per call weighs more on it than on a dense
+// layer's (the GEMVs are ahead to 16 rows, where a dense layer's crosses over near 12).
 constexpr int64_t kExpertMatvecRows = 16;
-constexpr int64_t kFp8MatvecRows = 8;  // FP8_MATVEC_MAX_ROWS in model/quantized.py
 constexpr int64_t kChunkRows = 64;     // weight rows per GEMV work item
 constexpr int64_t kCombineElements = 16384;  // output elements a combine task takes at least
 
@@ -115,7 +114,7 @@ struct Fp8Experts {
 };
 
 // As project(), over FP8 experts, with the FP8 linear layer's products (model/quantized.py
-// fp8_linear): up to kFp8MatvecRows rows through its GEMV, for any activation dtype; more
+// fp8_linear): up to kExpertMatvecRows rows through its GEMV, for any activation dtype; more
 // through the expert's dequantized weight and the GEMM library.
 template <typename T>
 void project_fp8(const at::Tensor& in, const Fp8Experts& w, at::Tensor& out,
@@ -123,7 +122,7 @@ void project_fp8(const at::Tensor& in, const Fp8Experts& w, at::Tensor& out,
   std::vector<std::pair<int64_t, int64_t>> items;  // (group, first weight row)
   std::vector<size_t> matvec_groups;
   for (size_t i = 0; i < g.experts.size(); ++i) {
-    if (g.counts[i] > kFp8MatvecRows) {
+    if (g.counts[i] > kExpertMatvecRows) {
       at::Tensor weight = at::empty({w.N, w.K}, in.options());
       fp8_dequantize_into(w.expert(g.experts[i]), weight);
       at::Tensor rows = out.narrow(0, g.starts[i], g.counts[i]);
