@@ -38,9 +38,10 @@ class Tolerances:
 EXACT = Tolerances(logprob=1e-5, tie=5e-5, expert_tie=1e-5)
 # An FP8 KV cache: the reference quantizes its keys and values as the cache does, but a
 # value within float32 rounding of an e4m3 rounding boundary may land on the neighbouring
-# code (one step: 1/8 of its magnitude) on one side and not the other. Looser, yet a
-# stale or misplaced KV entry still differs by far more.
-FP8_KV = Tolerances(logprob=2e-3, tie=5e-3, expert_tie=2e-3)
+# code (one step: 1/8 of its magnitude) on one side and not the other: seen up to 2e-3 in
+# a token's logprob over ~40k tokens. Looser, yet a reference over unquantized K/V already
+# differs by 4e-2, and a stale or misplaced KV entry by more.
+FP8_KV = Tolerances(logprob=5e-3, tie=1e-2, expert_tie=5e-3)
 
 
 @dataclass(frozen=True)

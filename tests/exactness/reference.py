@@ -11,6 +11,7 @@ and adapter, scores by (model, sequence); no hotswap code computes any of it.
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +119,9 @@ def _build(
     if kv_fp8:
         AttentionInterface.register(FP8_KV_ATTENTION, _fp8_kv_attention)
         extra["attn_implementation"] = FP8_KV_ATTENTION
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+    # from_config writes the attention implementation into the config it is given: a copy,
+    # or every later model of this architecture would read quantized K/V too
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32, **extra)
     model.load_state_dict(state.tensors, strict=True)
     if adapter is not None:
         import peft
