@@ -169,20 +169,59 @@ def receipt_refusal(
 ) -> tuple[str, str] | None:
     """Why a round may not send tensor `name` (of dtype `sent`) to a destination of dtype
     `dest` in a quantized model, as (the meta at fault: name or dtype, why); None if it may.
-    A round sends the trainer's bf16/float32 tensors in checkpoint format and the engine
-    quantizes them on receipt."""
-    if dest != FP8_DTYPE and not name.endswith(SCALE_NAME):
+    A round sends checkpoint tensors: bf16/float32 ones, which the engine quantizes on
+    receipt, or an FP8 weight's codes with its float32 `weight_scale_inv` as a trainer
+    quantized them (slime's, AReaL's and verl's way to SGLang; both must come in one round:
+    `unpaired_fp8`)."""
+    scale = codes_of_scale(name) is not None
+    if dest != FP8_DTYPE and not scale:
+        if sent == FP8_DTYPE:
+            return "dtype", f"weights: {name!r} is not an FP8 weight here; send it as {dest}"
         return None
     if not checkpoint:
         return "name", (
             f"weights: {name!r} is an FP8 weight; send it in checkpoint format "
             f"(is_checkpoint_format=true), whose bf16/float32 tensors are quantized on receipt"
         )
-    if name.endswith(SCALE_NAME) or sent == FP8_DTYPE:
-        return "dtype" if sent == FP8_DTYPE else "name", (
-            f"weights: {name!r}: send the bf16/float32 weight, not FP8 codes or scales; the "
-            f"engine quantizes on receipt"
-        )
+    if scale and sent != torch.float32:
+        return "dtype", f"weights: {name!r}: FP8 scales are float32, sent {sent}"
+    return None
+
+
+def quantized_send_refusal(
+    name: str, sent: torch.dtype, sparse: bool, sliced: bool
+) -> tuple[str, str] | None:
+    """Why FP8 codes or scales a trainer quantized (`name`, `sent`) may not go where they
+    are sent: into a sparse delta, or to ranks that each hold a share of every tensor
+    (tensor parallelism: the trainer's blocks need not fall on a rank's share). None if
+    they may, or if they are neither."""
+    if not (sparse or sliced) or (sent != FP8_DTYPE and codes_of_scale(name) is None):
+        return None
+    why = "a sparse delta" if sparse else "tensor-parallel ranks (each quantizes its share)"
+    return "dtype" if sent == FP8_DTYPE else "name", (
+        f"weights: {name!r}: FP8 codes and scales cannot be sent to {why}; send the "
+        f"bf16/float32 weight, which the engine quantizes on receipt"
+    )
+
+
+def codes_of_scale(name: str) -> str | None:
+    """The FP8 codes checkpoint tensor `name` holds the scales of (the inverse of
+    scale_name_of), or None if it is no scale tensor."""
+    return name.removesuffix("_scale_inv") if name.endswith("_scale_inv") else None
+
+
+def unpaired_fp8(codes: set[str], scales: set[str]) -> str | None:
+    """Why a round's trainer-quantized tensors do not pair up (`codes`: names sent as FP8
+    codes; `scales`: scale names sent), or None: codes without their scales cannot be
+    served, and scales alone would overwrite those of a weight quantized on receipt."""
+    for name in sorted(codes):
+        if scale_name_of(name) not in scales:
+            return (f"weights: {name!r} was sent as FP8 codes without its scales "
+                    f"{scale_name_of(name)!r}; nothing was applied")  # fmt: skip
+    for name in sorted(scales):
+        if codes_of_scale(name) not in codes:
+            return (f"weights: {name!r} was sent without {codes_of_scale(name)!r} as FP8 "
+                    f"codes (scales come with their codes); nothing was applied")  # fmt: skip
     return None
 
 

@@ -24,6 +24,9 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
     "bool": torch.bool,
+    # FP8 weights a trainer quantized itself (with their float32 `weight_scale_inv`), for an
+    # engine serving --quantization fp8 (model/quantized.py receipt_refusal)
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
 DTYPE_NAMES: tuple[str, ...] = tuple(DTYPES)
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -34,7 +37,8 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     code: DTYPES[name]
     for code, name in (("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"),
                        ("F64", "float64"), ("I64", "int64"), ("I32", "int32"),
-                       ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"))
+                       ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"),
+                       ("F8_E4M3", "float8_e4m3fn"))
 }  # fmt: skip
 
 

@@ -201,7 +201,7 @@ class RankShadow:
             scales = shadow.destination(scale_view_for(layer, target[1]), scale_name, True)
         if not sparse:
             part = item if piece is None else piece.take(item)
-            if layer is None:
+            if layer is None or part.dtype == view.dtype:  # FP8 codes a trainer quantized
                 shadow.write(part, view)
             else:
                 quantize_into(layer.fp8, view, scales, part)

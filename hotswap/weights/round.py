@@ -11,9 +11,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from hotswap.errors import InvalidArgument
 from hotswap.lora.stage import AdapterStage
 from hotswap.model.parallel import ShardSlice, TensorParallelError
-from hotswap.model.quantized import write_flat
+from hotswap.model.quantized import codes_of_scale, unpaired_fp8, write_flat
 from hotswap.weight_transfer.base import Delta
 from hotswap.weight_transfer.config import WeightTransferConfig
 from hotswap.weight_transfer.engine import STAGED
@@ -30,6 +31,25 @@ class Round:
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     deltas: list[tuple[str, Delta]] = field(default_factory=list)  # applied after `staged`
     in_shadow: bool = False  # written into the double buffer: the commit is a swap
+    # checkpoint names sent as FP8 codes a trainer quantized, and FP8 scale names sent:
+    # they must pair up (model/quantized.py unpaired_fp8) before anything is applied
+    fp8_codes: set[str] = field(default_factory=set)
+    fp8_scales: set[str] = field(default_factory=set)
+
+    def note_sent(self, metas: Iterable[Any]) -> None:
+        """Record the trainer-quantized tensors among received `metas` (ParamMeta)."""
+        for meta in metas:
+            if meta.dtype == torch.float8_e4m3fn:
+                self.fp8_codes.add(meta.name)
+            elif codes_of_scale(meta.name) is not None:
+                self.fp8_scales.add(meta.name)
+
+    def check_fp8_pairs(self) -> None:
+        """InvalidArgument (the round as a whole) unless every FP8 weight sent as codes
+        came with its scales and every scale with its codes."""
+        why = unpaired_fp8(self.fp8_codes, self.fp8_scales)
+        if why is not None:
+            raise InvalidArgument(None, why)
 
     @property
     def adapter(self) -> AdapterStage | None:

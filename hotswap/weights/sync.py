@@ -175,6 +175,7 @@ class WeightSync:
                 # What the chunk's update_info claims does not fit the model.
                 index, (what, why) = problems[0]
                 raise InvalidArgument(claimed_entry(update_info, what, index), why + more)
+            self.round.note_sent(metas)
             if self.shadow is not None and self.round.adapter is None:
                 self._receive_into_shadow(update_info, metas)
             else:  # items are as the checked metas describe (the backend contract)
@@ -230,6 +231,7 @@ class WeightSync:
         without applying; the round stays open. Returns how many tensors are staged."""
         if self.round is None:
             raise EngineStateError("prepare_weight_update: no round is open")
+        self.round.check_fp8_pairs()
         if self.round.must_be_complete(self.config):
             self.round.targets.check_complete(set(self.round.staged),
                                               self.round.is_checkpoint_format)  # fmt: skip
@@ -249,8 +251,13 @@ class WeightSync:
             logger.info("weight update round aborted by the caller")
             self._discard(round_)
             return None
-        if round_.must_be_complete(self.config):
-            round_.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
+        try:
+            round_.check_fp8_pairs()
+            if round_.must_be_complete(self.config):
+                round_.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
+        except InvalidArgument:
+            self._discard(round_)  # refused as a whole: what it staged is dropped
+            raise
         self._apply(round_)
         return round_.staged
 
@@ -267,6 +274,7 @@ class WeightSync:
         try:
             self.update({"model_path": model_dir})
             round_, self.round = self.round, None
+            round_.check_fp8_pairs()
             self.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
             self._apply(round_)
         except ValueError as e:
@@ -296,9 +304,11 @@ class WeightSync:
                 if problem is not None:
                     field = f"{ARGUMENT}[{i}].{problem[0]}"
                     raise InvalidArgument(field, f"{field}: {problem[1].removeprefix('weights: ')}")
+            self.round.note_sent(metas)
             for name, tensor in self.transfer.receive_weights(info, metas):
                 self.round.staged[name] = tensor
             round_, self.round = self.round, None
+            round_.check_fp8_pairs()
             if self.config is not None and self.config.require_complete:
                 self.targets.check_complete(set(round_.staged), round_.is_checkpoint_format)
             self._apply(round_)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hotswap.errors import InvalidArgument
-from hotswap.model.quantized import receipt_refusal
+from hotswap.model.quantized import quantized_send_refusal, receipt_refusal
 from hotswap.weight_transfer.base import ParamMeta
 
 
@@ -33,6 +33,11 @@ class WeightTargets:
     ) -> tuple[str, str] | None:
         """None if the model can take `meta`'s tensor (`sparse`: as a delta); else (what
         is wrong with it: name, shape or dtype; why)."""
+        tp = getattr(self.model, "tp", None)  # an adapter's stage has none
+        sliced = checkpoint and tp is not None and tp.parallel
+        refused = quantized_send_refusal(meta.name, meta.dtype, sparse, sliced)
+        if refused is not None:
+            return refused
         try:
             expected = self.destination(meta.name, checkpoint)
             if sparse and checkpoint and expected is not None:

@@ -2,9 +2,9 @@
 quantized on receipt, so a round (whole, partial, double-buffered) lands on exactly the
 codes and scales a fresh FP8 engine loads from the same weights (digest), and a sparse
 delta on what loading the dequantized weights with the delta gives; FP8 codes, scales or
-engine-format names sent are refused, naming the field, and change nothing; an FP8
-checkpoint loads as it is. One bf16 round is the quick check; the rest start several
-engines each: slow."""
+engine-format names sent are refused, naming the field, and change nothing (FP8 codes
+without their scales, or scales without their codes); an FP8 checkpoint loads as it is.
+One bf16 round is the quick check; the rest start several engines each: slow."""
 
 from __future__ import annotations
 
@@ -91,8 +91,10 @@ def test_a_partial_round_requantizes_only_what_it_sends(v1_dir, v2_dir, tmp_path
 @pytest.mark.parametrize(
     ("items", "message"),
     [
-        ([(Q_PROJ, torch.zeros(64, 64, dtype=torch.float8_e4m3fn))], "float8_e4m3fn cannot be"),
-        ([(Q_PROJ.replace("weight", "weight_scale_inv"), torch.ones(4, 4))], "not FP8 codes"),
+        # a trainer's own FP8 codes come with their scales, and scales with their codes
+        # (tests/weight_transfer/test_fp8_trainer_quantized.py)
+        ([(Q_PROJ, torch.zeros(64, 64, dtype=torch.float8_e4m3fn))], "without its scales"),
+        ([(Q_PROJ.replace("weight", "weight_scale_inv"), torch.ones(4, 4))], "as FP8 codes"),
     ],
 )
 def test_refused_sends_change_nothing(items, message, v1_dir, v2_trainer) -> None:
