@@ -77,6 +77,8 @@ class BroadcastChannel:
     def _broadcast(self, tensor: torch.Tensor) -> dist.Work:
         if self.group is None:
             raise RuntimeError("broadcast channel is closed")
+        if tensor.dtype == torch.float8_e4m3fn:  # gloo has no float8: its bytes (NCCL's way)
+            tensor = tensor.view(torch.uint8)
         return self.group.broadcast(tensor, self.src)
 
     def _buffers(self) -> list[torch.Tensor]:

@@ -284,7 +284,13 @@ def test_bad_payloads_change_nothing(http, v2_tensors) -> None:
     name = "checks-b"
     group = join(http, name)
     try:
+        # FP8 codes (a trainer's own quantization) into a weight that is not FP8 here:
+        # drained (float8 travels as its bytes), refused naming the dtype
+        codes = v2_tensors["model.norm.weight"].to(torch.float8_e4m3fn)
         payload = {**update_payload(norm, name), "dtypes": ["float8_e4m3fn"]}
+        response = send(http, group, payload, [codes.view(torch.uint8)])
+        assert "not an FP8 weight" in refused(response, 400, "body.dtypes[0]")
+        payload = {**update_payload(norm, name), "dtypes": ["float4"]}
         message = refused(post("/update_weights_from_distributed", json=payload), 400,
                           "body.dtypes[0]")  # fmt: skip
         assert "unknown dtype" in message
@@ -412,7 +418,9 @@ def test_bad_tensors_by_value_change_nothing(http, inline_sent) -> None:
         ({**other, "data": "not base64!"}, "body.named_tensors[1].data", "base64"),
         ({**other, "data": base64.b64encode(bytes(4)).decode()}, "body.named_tensors[1].data",
          "4 bytes"),
-        ({**other, "dtype": "float8_e4m3fn"}, "body.named_tensors[1].dtype", "bfloat16"),
+        ({**other, "dtype": "float8_e4m3fn", "data": base64.b64encode(bytes(64)).decode()},
+         "body.named_tensors[1].dtype", "not an FP8 weight"),
+        ({**other, "dtype": "float4"}, "body.named_tensors[1].dtype", "bfloat16"),
         ({**other, "name": "model.no_such.weight"}, "body.named_tensors[1].name", "unknown"),
         ({**meta, "shape": [3], "data": base64.b64encode(bytes(12)).decode()},
          "body.named_tensors[1].shape", "shape mismatch"),
