@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from hotswap.errors import InvalidArgument
-from hotswap.model.kv_fp8 import FP8_KV_DTYPES
 from hotswap.quantization.fp8 import Fp8Config
 from hotswap.weight_transfer.config import WeightTransferConfig
 
@@ -27,6 +26,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 # and fp8_e5m2, float8 e4m3fn or e5m2 codes with one float32 scale per layer for keys and
 # one for values (model/kv_fp8.py). vLLM's other values are refused, naming the field.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The cache's codes per FP8 --kv-cache-dtype (as parse_kv_cache_dtype names them).
+FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def check_logprobs_mode(mode: object) -> str:

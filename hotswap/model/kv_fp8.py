@@ -21,8 +21,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-# The cache's codes per FP8 --kv-cache-dtype (as config.parse_kv_cache_dtype names them).
-FP8_KV_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+from hotswap.config import FP8_KV_DTYPES
+
 FP8_KV_DTYPE = FP8_KV_DTYPES["fp8_e4m3"]  # vLLM's "fp8"
 # vLLM's --calculate-kv-scales divisors (its K_SCALE_CONSTANT and V_SCALE_CONSTANT defaults):
 # k_scale = max|K| / 200, v_scale = max|V| / 100 over the first step's keys and values.
