@@ -7,9 +7,7 @@ and the ops its layers call instead of torch's.
 - CPU_ATTN: hotswap's CPU kernels (model/kernels); the default on the CPU.
 - TORCH_SDPA: torch operators only (the batch-invariant torch path in that mode).
 
-Every backend serves an e4m3 KV cache (--kv-cache-dtype fp8, model/kv_fp8.py); an e5m2
-one (fp8_e5m2) is not in the Triton kernels yet: on CUDA it runs TORCH_SDPA by default,
-and TRITON_ATTN named with it is refused.
+Every backend serves an FP8 KV cache (--kv-cache-dtype fp8, fp8_e5m2; model/kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -61,17 +59,12 @@ def choose_kernels(config: EngineConfig, device: torch.device, progress: bool) -
 def _backend_name(config: EngineConfig, device: torch.device) -> str:
     """The configured backend, checked against the device, or the device's default."""
     name = config.attention_backend
-    e5m2 = config.cache.kv_cache_dtype == "fp8_e5m2"
     if name is None:
         if device.type == "cuda":
-            return "TRITON_ATTN" if triton_runs_on(device) and not e5m2 else "TORCH_SDPA"
+            return "TRITON_ATTN" if triton_runs_on(device) else "TORCH_SDPA"
         if device.type == "cpu" and config.cpu_kernels and not config.batch_invariant:
             return "CPU_ATTN"
         return "TORCH_SDPA"
-    if name == "TRITON_ATTN" and e5m2:
-        raise InvalidArgument("kv_cache_dtype", "kv_cache_dtype: an fp8_e5m2 cache is not in "
-                              "the Triton kernels (TRITON_ATTN) yet; use fp8 (e4m3) or "
-                              "TORCH_SDPA")  # fmt: skip
     if name == "TRITON_ATTN" and not triton_runs_on(device):
         why = "Triton is not installed" if device.type == "cuda" else (
             "on the host the Triton kernels run only under Triton's interpreter "

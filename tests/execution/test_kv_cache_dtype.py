@@ -35,17 +35,6 @@ def test_fp8_and_fp8_e4m3_are_one_cache_dtype() -> None:
     assert auto.kv_cache_dtype == "auto" and auto.cache_dtype(torch.bfloat16) == torch.bfloat16
 
 
-def test_the_triton_kernels_refuse_an_e5m2_cache_naming_the_field(tiny_llama) -> None:  # noqa: ANN001
-    # Not in the Triton kernels (TRITON_ATTN): refused before any kernel is looked for.
-    from hotswap.execution.kernel_choice import choose_kernels
-
-    args = EngineArgs(model=str(tiny_llama), attention_backend="TRITON_ATTN",
-                      kv_cache_dtype="fp8_e5m2")  # fmt: skip
-    with pytest.raises(InvalidArgument, match="kv_cache_dtype") as error:
-        choose_kernels(args.create_engine_config(), torch.device("cpu"), False)
-    assert error.value.field == "kv_cache_dtype"
-
-
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
 def test_an_fp8_cache_holds_twice_the_blocks_of_a_bf16_one(tiny_model_factory, kv_dtype) -> None:  # noqa: ANN001
     model_dir = tiny_model_factory("llama")

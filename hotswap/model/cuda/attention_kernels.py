@@ -22,7 +22,7 @@ with tiles aligned to absolute positions: a token's result is then the same bits
 or prefilled, alone or batched, chunked or not (a matrix product's row may round
 differently in another row of the tile: numpy's does, under the interpreter).
 
-An FP8 cache (FP8, model/kv_fp8.py) holds e4m3 codes, read as bytes and decoded exactly
+An FP8 cache (FP8, model/kv_fp8.py) holds e4m3 or e5m2 codes, read as bytes and decoded exactly
 into the queries' dtype (fp8_kernels.py); the layer's k_scale is folded into the score
 scale and its v_scale into the output, as the CPU kernels do: the products round once
 where the torch path rounds code x scale to the dtype first (within 2^-8 relative in
@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hotswap.model.cuda.fp8_kernels import e4m3_values
+from hotswap.model.cuda.fp8_kernels import kv_values
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _load_kv(ptrs, mask, dtype: tl.constexpr, FP8: tl.constexpr):
     """Keys or values in the queries' dtype; FP8: the codes' values (exact in any of the
     query dtypes), their scales applied by the callers (scale_log2, v_scale)."""
     if FP8:
-        return e4m3_values(tl.load(ptrs, mask=mask, other=0)).to(dtype)
+        return kv_values(tl.load(ptrs, mask=mask, other=0), FP8).to(dtype)
     return tl.load(ptrs, mask=mask, other=0.0)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from hotswap.model.cuda.fp8_kernels import e4m3_codes
+from hotswap.model.cuda.fp8_kernels import kv_codes
 
 
 @triton.jit
@@ -116,9 +116,10 @@ def store_kv_kernel(
 ):  # fmt: skip
     """Token t's keys and values ([kv_heads * head_dim], contiguous within the token) into
     cache slot slots[t] of caches laid out [slots, kv_heads * head_dim]; a negative slot
-    (a padding row) writes nothing. FP8: the caches are e4m3 codes as bytes, written as
-    model/kv_fp8.py `quantize_kv` writes them (value / scale in float32, IEEE-rounded
-    division, saturated, nearest even). Program: (token, column block)."""
+    (a padding row) writes nothing. FP8 (fp8_kernels.py E4M3, E5M2): the caches are e4m3 or
+    e5m2 codes as bytes, written as model/kv_fp8.py `quantize_kv` writes them (value /
+    scale in float32, IEEE-rounded division, saturated, nearest even). Program: (token,
+    column block)."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
@@ -127,8 +128,8 @@ def store_kv_kernel(
         k = tl.load(key_ptr + token * key_stride + cols, mask=mask)
         v = tl.load(value_ptr + token * value_stride + cols, mask=mask)
         if FP8:
-            k = e4m3_codes(tl.div_rn(k.to(tl.float32), k_scale))
-            v = e4m3_codes(tl.div_rn(v.to(tl.float32), v_scale))
+            k = kv_codes(tl.div_rn(k.to(tl.float32), k_scale), FP8)
+            v = kv_codes(tl.div_rn(v.to(tl.float32), v_scale), FP8)
         tl.store(k_cache_ptr + slot * width + cols, k, mask=mask)
         tl.store(v_cache_ptr + slot * width + cols, v, mask=mask)
 

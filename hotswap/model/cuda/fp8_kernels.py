@@ -11,6 +11,11 @@ tests is what a GPU runs.
 - `e4m3_values`: a code's value, exact in float32 (and in bf16/fp16: 4 significant bits).
 - `e4m3_codes`: float32 -> code, saturated to +-448 and rounded to nearest even, as
   torch's cast after model/kv_fp8.py's clamp (the FP8 KV cache's writes).
+- `e5m2_values`, `e5m2_codes`: the same for e5m2 (an FP8 KV cache of
+  --kv-cache-dtype fp8_e5m2): a code is its float16's high byte; writes saturate to
+  +-57344 and round to nearest even.
+- `kv_values`, `kv_codes`: either format, by the kernels' `FP8` constant (`E4M3`, `E5M2`;
+  0: not an FP8 cache).
 - `fp8_gemm_kernel`: out [M, N] = x [M, K] @ (codes x block scales)^T, float32 sums.
 """
 
@@ -21,6 +26,9 @@ import triton.language as tl
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL = 0.015625  # 2^-6: below it, codes are subnormal steps of 2^-9
+E5M2_MAX = 57344.0
+E5M2_MIN_NORMAL = 2.0**-14  # below it, codes are subnormal steps of 2^-16
+E4M3, E5M2 = 1, 2  # the kernels' FP8 constant: the cache's code format (0: none)
 
 
 @triton.jit
@@ -51,6 +59,43 @@ def e4m3_codes(x):
     steps = (mag + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
     code = tl.where(mag < E4M3_MIN_NORMAL, steps, normal).to(tl.uint8)
     return code | (sign << 7)
+
+
+@triton.jit
+def e5m2_values(codes):
+    """uint8 codes -> float32 values: a code is the high byte of its float16, exactly."""
+    return (codes.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e5m2_codes(x):
+    """float32 -> uint8 e5m2 codes: saturated to +-57344, rounded to nearest even."""
+    sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.uint8)
+    mag = tl.minimum(tl.abs(x), E5M2_MAX)
+    bits = mag.to(tl.uint32, bitcast=True)
+    # normal: 23 mantissa bits rounded to 2 (ties to even), the exponent rebiased 127 -> 15
+    rounded = (bits + 0xFFFFF + ((bits >> 21) & 1)) >> 21
+    normal = rounded - (112 << 2)
+    # subnormal: adding 2^7 (float32 ulp 2^-16) rounds the magnitude to 2^-16 steps
+    steps = (mag + 128.0).to(tl.uint32, bitcast=True) - 0x43000000
+    code = tl.where(mag < E5M2_MIN_NORMAL, steps, normal).to(tl.uint8)
+    return code | (sign << 7)
+
+
+@triton.jit
+def kv_values(codes, FP8: tl.constexpr):
+    """An FP8 cache's codes (bytes) as float32 values, in the format FP8 names."""
+    if FP8 == E5M2:
+        return e5m2_values(codes)
+    return e4m3_values(codes)
+
+
+@triton.jit
+def kv_codes(x, FP8: tl.constexpr):
+    """float32 values as an FP8 cache's codes, in the format FP8 names."""
+    if FP8 == E5M2:
+        return e5m2_codes(x)
+    return e4m3_codes(x)
 
 
 @triton.jit

@@ -28,10 +28,10 @@ from hotswap.model.cuda.elementwise import (
     silu_and_mul_kernel,
     store_kv_kernel,
 )
-from hotswap.model.cuda.fp8_kernels import fp8_gemm_kernel, gemm_blocks
+from hotswap.model.cuda.fp8_kernels import E4M3, E5M2, fp8_gemm_kernel, gemm_blocks
 from hotswap.model.cuda.moe_kernels import group_by_expert, grouped_gemm
 from hotswap.model.kernels import LayerKernels
-from hotswap.model.kv_fp8 import FP8_KV_DTYPE
+from hotswap.model.kv_fp8 import FP8_KV_DTYPES
 
 LOG2E = math.log2(math.e)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -41,6 +41,9 @@ PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 # Columns per program of the row-splitting kernels (SiLU-and-mul, the KV store).
 COLUMN_BLOCK = 1024
+
+# an FP8 cache's dtype -> the kernels' FP8 constant (fp8_kernels.py)
+_FP8_FORMATS = {FP8_KV_DTYPES["fp8_e4m3"]: E4M3, FP8_KV_DTYPES["fp8_e5m2"]: E5M2}
 
 
 def _precision(dtype: torch.dtype) -> dict[str, bool]:
@@ -128,10 +131,11 @@ def store_kv_(
                               BLOCK=block, FP8=fp8)  # fmt: skip
 
 
-def _fp8_cache(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
-    """Whether the caches hold e4m3 codes; scales other than 1 apply to those only (as the
-    CPU kernels check). Host floats, read with no device sync."""
-    fp8 = k_cache.dtype == FP8_KV_DTYPE
+def _fp8_cache(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> int:
+    """The kernels' FP8 constant: the format of the caches' codes (fp8_kernels.py E4M3,
+    E5M2), 0 for a cache in the model dtype; scales other than 1 apply to FP8 caches only
+    (as the CPU kernels check). Host floats, read with no device sync."""
+    fp8 = _FP8_FORMATS.get(k_cache.dtype, 0)
     if not fp8 and (k_scale != 1.0 or v_scale != 1.0):
         raise ValueError("attention: k_scale and v_scale apply to FP8 caches only")
     return fp8
@@ -139,7 +143,7 @@ def _fp8_cache(k_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
 
 def _cache_data(cache: torch.Tensor) -> torch.Tensor:
     """What the kernels read and write: an FP8 cache as its bytes (fp8_kernels.py)."""
-    return cache.view(torch.uint8) if cache.dtype == FP8_KV_DTYPE else cache
+    return cache.view(torch.uint8) if cache.dtype in _FP8_FORMATS else cache
 
 
 def paged_decode_(

@@ -135,12 +135,13 @@ def test_each_backend_is_checked_against_the_device(tiny_llama, monkeypatch) -> 
         choose_kernels(config(tiny_llama, attention_backend="TRITON_ATTN"), cpu, False)
 
 
-def test_an_fp8_kv_cache_runs_the_triton_kernels(tiny_llama) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
+def test_an_fp8_kv_cache_runs_the_triton_kernels(tiny_llama, kv_dtype: str) -> None:  # noqa: ANN001
     """Named with TRITON_ATTN, and the default on CUDA (the device's type decides it: no
-    GPU needed to ask)."""
-    fp8 = config(tiny_llama, attention_backend="TRITON_ATTN", kv_cache_dtype="fp8")
+    GPU needed to ask), in either FP8 format."""
+    fp8 = config(tiny_llama, attention_backend="TRITON_ATTN", kv_cache_dtype=kv_dtype)
     assert choose_kernels(fp8, torch.device("cpu"), False).name == "TRITON_ATTN"
-    default = config(tiny_llama, kv_cache_dtype="fp8")
+    default = config(tiny_llama, kv_cache_dtype=kv_dtype)
     assert _backend_name(default, torch.device("cuda")) == "TRITON_ATTN"
 
 
@@ -157,24 +158,25 @@ def with_kv_scales(model_dir: Path, out_dir: Path, scales: tuple[float, float]) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fp8", ["kv_cache", "weights"])
+@pytest.mark.parametrize("fp8", ["kv_cache", "kv_cache_e5m2", "weights"])
 def test_the_triton_engine_over_fp8_generates_what_the_torch_engine_does(
     tiny_llama, tmp_path, fp8: str
 ) -> None:  # noqa: ANN001
-    """--kv-cache-dtype fp8 with a checkpoint's scales (the torch engine's cache written
-    and read by model/kv_fp8.py), or --quantization fp8 (its weights dequantized by torch
-    operators): chunked prefill, prefix hits and decode give the torch engine's tokens and
-    logprobs."""
-    if fp8 == "kv_cache":
+    """--kv-cache-dtype fp8 (or fp8_e5m2) with a checkpoint's scales (the torch engine's
+    cache written and read by model/kv_fp8.py), or --quantization fp8 (its weights
+    dequantized by torch operators): chunked prefill, prefix hits and decode give the torch
+    engine's tokens and logprobs."""
+    if fp8.startswith("kv_cache"):
+        kv_dtype = "fp8_e5m2" if fp8.endswith("e5m2") else "fp8"
         path, kwargs = with_kv_scales(tiny_llama, tmp_path / "scaled", (0.37, 2.5)), {
-            "kv_cache_dtype": "fp8"}  # fmt: skip
+            "kv_cache_dtype": kv_dtype}  # fmt: skip
     else:
         path, kwargs = tiny_llama, {"quantization": "fp8", "hf_overrides": FP8_WEIGHTS}
     runs = {}
     for backend in ("TORCH_SDPA", "TRITON_ATTN"):
         llm = engine(path, backend, max_num_batched_tokens=24, **kwargs)
         model = llm.engine.runner.model.model
-        if fp8 == "kv_cache":
+        if fp8 != "weights":
             assert model.layers[0].self_attn.kv_scales == (pytest.approx(0.37), 2.5)
         else:
             assert model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn

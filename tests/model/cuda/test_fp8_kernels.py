@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from hotswap.model.attention import write_kv
-from hotswap.model.cuda.fp8_kernels import e4m3_codes, e4m3_values
+from hotswap.model.cuda.fp8_kernels import E4M3, E5M2, kv_codes, kv_values
 from hotswap.model.kv_fp8 import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 from hotswap.model.quantized import Fp8Layout, fp8_linear
 from tests.model.cuda.conftest import DEVICE, ops
@@ -22,43 +22,53 @@ from tests.model.cuda.test_kernels import TOLERANCE, paged_cache, reference
 from tests.model.test_fp8 import fused_weight
 
 SCALES = [(1.0, 1.0), (0.37, 2.5)]
+E5M2_DTYPE = torch.float8_e5m2
 
 
 @triton.jit
-def _round_trip_kernel(x_ptr, codes_ptr, values_ptr, N: tl.constexpr):
+def _round_trip_kernel(x_ptr, codes_ptr, values_ptr, N: tl.constexpr, FP8: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(codes_ptr + i, e4m3_codes(tl.load(x_ptr + i)))
-    tl.store(values_ptr + i, e4m3_values(tl.load(codes_ptr + i)))
+    tl.store(codes_ptr + i, kv_codes(tl.load(x_ptr + i), FP8))
+    tl.store(values_ptr + i, kv_values(tl.load(codes_ptr + i), FP8))
 
 
-def test_codes_decode_and_encode_as_torchs_cast() -> None:
-    """All 256 codes' values, and float32 inputs (every e4m3 value, the midpoints between
-    neighbours, subnormals, -0.0, beyond 448) rounded to nearest even and saturated."""
-    every = torch.arange(256, dtype=torch.uint8).view(FP8_KV_DTYPE).float()
-    finite = every[~every.isnan()].sort().values
+@pytest.mark.parametrize(("fmt", "dtype", "limit"), [(E4M3, FP8_KV_DTYPE, 448.0),
+                                                     (E5M2, E5M2_DTYPE, 57344.0)],
+                         ids=["e4m3", "e5m2"])  # fmt: skip
+def test_codes_decode_and_encode_as_torchs_cast(fmt: int, dtype: torch.dtype, limit: float) -> None:
+    """All 256 codes' values, and float32 inputs (every finite value, the midpoints between
+    neighbours, subnormals, -0.0, beyond the largest) rounded to nearest even and
+    saturated."""
+    every = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    finite = every[every.isfinite()].sort().values
     mids = (finite[1:] + finite[:-1]) / 2
     gen = torch.Generator().manual_seed(0)
-    spread = torch.randn(400, generator=gen) * torch.logspace(-4, 3, 400)
-    x = torch.cat([finite, mids, spread, torch.tensor([-0.0, 449.0, 465.0, -1e9, 2**-10])])
+    spread = torch.randn(400, generator=gen) * torch.logspace(-7, 5, 400)
+    beyond = [-0.0, limit * 1.01, limit * 1.04, -1e9, 2**-10, 2**-17, 3 * 2**-17]
+    x = torch.cat([finite, mids, spread, torch.tensor(beyond)])
     n = triton.next_power_of_2(x.numel())
     padded = torch.zeros(n)
     padded[: x.numel()] = x
     padded = padded.to(DEVICE)
     codes = torch.empty(n, dtype=torch.uint8, device=DEVICE)
     values = torch.empty(n, device=DEVICE)
-    _round_trip_kernel[(1,)](padded, codes, values, N=n)
-    want = padded.clamp(-448, 448).to(FP8_KV_DTYPE)
+    _round_trip_kernel[(1,)](padded, codes, values, N=n, FP8=fmt)
+    want = padded.clamp(-limit, limit).to(dtype)
     assert torch.equal(codes, want.view(torch.uint8))
     assert torch.equal(values, want.float())
-    assert codes[: finite.numel()].view(FP8_KV_DTYPE).float().equal(finite.to(DEVICE))
+    assert codes[: finite.numel()].view(dtype).float().equal(finite.to(DEVICE))
 
 
+CODES = pytest.mark.parametrize("codes", [FP8_KV_DTYPE, E5M2_DTYPE], ids=["e4m3", "e5m2"])
+
+
+@CODES
 @pytest.mark.parametrize("scales", SCALES, ids=["unit", "scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_quantizes_into_an_fp8_cache(scales, dtype: torch.dtype) -> None:  # noqa: ANN001
+def test_store_kv_quantizes_into_an_fp8_cache(scales, dtype: torch.dtype, codes) -> None:  # noqa: ANN001
     blocks, block_size, kv_heads, dim = 6, 16, 2, 32
     shape = (blocks, block_size, kv_heads, dim)
-    k_cache = torch.zeros(shape, dtype=FP8_KV_DTYPE, device=DEVICE)
+    k_cache = torch.zeros(shape, dtype=codes, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
     qkv = (torch.randn(5, 8 * dim, device=DEVICE) * 200).to(dtype)  # some saturate
     key = qkv[:, 4 * dim : 6 * dim].view(5, kv_heads, dim)
@@ -102,12 +112,13 @@ def test_scales_apply_to_fp8_caches_only() -> None:
 
 
 def fp8_cache(lengths: list[int], kv_heads: int, dim: int, block_size: int,
-              scales: tuple[float, float], dtype: torch.dtype, seed: int = 0):  # fmt: skip
-    """FP8 caches of keys and values of a few units (codes of value / scale), the same
-    read back by kv_fp8.py in `dtype`, and the block tables."""
+              scales: tuple[float, float], dtype: torch.dtype, seed: int = 0,
+              codes: torch.dtype = FP8_KV_DTYPE):  # fmt: skip
+    """FP8 caches (`codes`: e4m3 or e5m2) of keys and values of a few units (codes of
+    value / scale), the same read back by kv_fp8.py in `dtype`, and the block tables."""
     k, v, tables = paged_cache(lengths, kv_heads, dim, block_size, torch.float32, seed)
-    k_codes = quantize_kv(k * 3, scales[0], FP8_KV_DTYPE)
-    v_codes = quantize_kv(v * 3, scales[1], FP8_KV_DTYPE)
+    k_codes = quantize_kv(k * 3, scales[0], codes)
+    v_codes = quantize_kv(v * 3, scales[1], codes)
     k_ref = dequantize_kv(k_codes, scales[0], dtype)
     v_ref = dequantize_kv(v_codes, scales[1], dtype)
     return k_codes, v_codes, k_ref, v_ref, tables
@@ -125,14 +136,22 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@CODES
 @pytest.mark.parametrize("scales", SCALES, ids=["unit", "scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "splits"), [(4, 2, 1), (8, 1, 3)])
-def test_decode_over_an_fp8_cache(scales, dtype, heads: int, kv_heads: int, splits: int) -> None:  # noqa: ANN001
+def test_decode_over_an_fp8_cache(
+    scales,
+    dtype,
+    heads: int,
+    kv_heads: int,
+    splits: int,  # noqa: ANN001
+    codes,
+) -> None:  # noqa: ANN001
     dim, block_size = 32, 16
     lengths = [1, 17, 64, 131]
     k_codes, v_codes, k_ref, v_ref, tables = fp8_cache(lengths, kv_heads, dim, block_size,
-                                                       scales, dtype)  # fmt: skip
+                                                       scales, dtype, codes=codes)  # fmt: skip
     q = torch.randn(len(lengths), heads, dim).to(dtype).to(DEVICE)
     out = torch.full((len(lengths), heads, dim), float("nan"), dtype=dtype, device=DEVICE)
     lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
@@ -144,16 +163,17 @@ def test_decode_over_an_fp8_cache(scales, dtype, heads: int, kv_heads: int, spli
         close(out[i], want, dtype)
 
 
+@CODES
 @pytest.mark.parametrize("scales", SCALES, ids=["unit", "scaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("aligned", [False, True])
-def test_prefill_over_an_fp8_cache(scales, dtype: torch.dtype, aligned: bool) -> None:  # noqa: ANN001
+def test_prefill_over_an_fp8_cache(scales, dtype: torch.dtype, aligned: bool, codes) -> None:  # noqa: ANN001
     """A whole prompt, a chunk after a cached prefix that ends mid-block, a chunk longer
     than a query tile; GQA."""
     heads, kv_heads, dim, block_size, block_m = 4, 2, 32, 16, 16
     lengths, query_lens = [21, 53, 90], [21, 20, 37]
     k_codes, v_codes, k_ref, v_ref, tables = fp8_cache(lengths, kv_heads, dim, block_size,
-                                                       scales, dtype, seed=1)  # fmt: skip
+                                                       scales, dtype, 1, codes)  # fmt: skip
     q = torch.randn(sum(query_lens), heads, dim).to(dtype).to(DEVICE)
     starts = [0, 21, 41]
     first_positions = [n - q for n, q in zip(lengths, query_lens)] if aligned else None
