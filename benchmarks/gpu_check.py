@@ -7,8 +7,9 @@ Stages, most important first, each a subprocess given the smaller of its own lim
 the time left (a stage cut short is recorded as timed out, and the next one runs):
 
 1. env: the GPU, torch, Triton.
-2. kernels: tests/model/cuda/test_kernels.py on CUDA tensors (every Triton kernel against
-   its torch reference).
+2. kernels: tests/model/cuda/test_kernels.py and test_fp8_kernels.py on CUDA tensors
+   (every Triton kernel against its torch reference; the FP8 KV cache in both formats and
+   the blockwise FP8 GEMM).
 3. throughput: benchmarks/throughput.py --device cuda on a Qwen3-0.6B-shaped bf16 model
    (benchmarks/bench_model.py) at 1, 64 and 256 requests: hotswap (CUDA graphs) against
    hotswap eager and transformers (transformers up to 64 requests).
@@ -50,7 +51,8 @@ def stages(out: Path) -> list[tuple[str, list[str], int]]:
     model = str(MODEL_DIR)
     return [
         ("env", [PY, "-c", _ENV], 30),
-        ("kernels", pytest + ["tests/model/cuda/test_kernels.py"], 100),
+        ("kernels", pytest + ["tests/model/cuda/test_kernels.py",
+                              "tests/model/cuda/test_fp8_kernels.py"], 120),
         ("throughput", ["bash", "-c",
                         f"{PY} benchmarks/bench_model.py {model} && {PY} benchmarks/throughput.py "
                         f"--device cuda --model {model} --num-requests 64 256 --peers "
