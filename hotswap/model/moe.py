@@ -132,7 +132,6 @@ class FusedExperts(nn.Module):
         # FP8 codes in the stacked parameters, their scales beside (`gate_up_proj_scale_inv`,
         # `down_proj_scale_inv`, transformers' names); None: the model dtype
         self.fp8 = {p: Fp8Stack(self, p, config) for p in ("gate_up_proj", "down_proj")}
-        self.kernels = self.kernels  # the layouts take the kernels too
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum over slots j of weights[t, j] * expert_{ids[t, j]}(x[t]), for each token t

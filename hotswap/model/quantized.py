@@ -150,6 +150,7 @@ class Fp8Stack:
             torch.empty(experts, rows, columns, dtype=FP8_DTYPE, device=device), False
         )
         self.fp8 = Fp8Layout.for_shards([rows], config.block, device)
+        self.fp8.kernels = owner.kernels  # FusedExperts hands later ones to its stacks too
         scale_cols = -(-columns // config.block[1])
         self.weight_scale_inv = nn.Parameter(torch.ones(
             experts, self.fp8.num_scale_rows, scale_cols, dtype=torch.float32, device=device

@@ -44,21 +44,33 @@ def e4m3_values(codes):
 
 
 @triton.jit
-def e4m3_codes(x):
-    """float32 -> uint8 codes: saturated to +-448, rounded to nearest even."""
+def _fp8_codes(x, MAX: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr,
+               MIN_NORMAL: tl.constexpr, STEPPER: tl.constexpr,
+               STEPPER_BITS: tl.constexpr):  # fmt: skip
+    """float32 -> uint8 codes of a float8 format (MANTISSA bits, exponent BIAS), saturated
+    to +-MAX, rounded to nearest even. Normal: float32's 23 mantissa bits rounded to
+    MANTISSA (ties to even), then the exponent rebiased from 127 to BIAS (a carry out of
+    the mantissa rounds up to the next binade). Subnormal (below MIN_NORMAL): adding
+    STEPPER, whose float32 ulp is the format's subnormal step, rounds the magnitude to a
+    multiple of that step (the hardware's ties-to-even); the low bits of the sum
+    (STEPPER_BITS: STEPPER's own bits, taken off) then count those steps, and 1 << MANTISSA
+    of them is the smallest normal's code."""
     sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.uint8)  # -0.0 keeps its sign
-    mag = tl.minimum(tl.abs(x), E4M3_MAX)
+    mag = tl.minimum(tl.abs(x), MAX)
     bits = mag.to(tl.uint32, bitcast=True)
-    # normal: round float32's 23 mantissa bits to 3 (ties to even), then rebias the
-    # exponent from 127 to 7 (a carry out of the mantissa rounds up to the next binade)
-    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20
-    normal = rounded - (120 << 3)
-    # subnormal: adding 2^14, whose float32 ulp is 2^-9, rounds the magnitude to a
-    # multiple of 2^-9 (the hardware's ties-to-even); the low bits then count those steps
-    # (8 steps, 2^-6, is code 0x08, the smallest normal)
-    steps = (mag + 16384.0).to(tl.uint32, bitcast=True) - 0x46800000
-    code = tl.where(mag < E4M3_MIN_NORMAL, steps, normal).to(tl.uint8)
+    shift: tl.constexpr = 23 - MANTISSA
+    rounded = (bits + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift
+    normal = rounded - ((127 - BIAS) << MANTISSA)
+    steps = (mag + STEPPER).to(tl.uint32, bitcast=True) - STEPPER_BITS
+    code = tl.where(mag < MIN_NORMAL, steps, normal).to(tl.uint8)
     return code | (sign << 7)
+
+
+@triton.jit
+def e4m3_codes(x):
+    """float32 -> uint8 codes: saturated to +-448, rounded to nearest even (subnormal
+    steps of 2^-9: 2^14's ulp)."""
+    return _fp8_codes(x, E4M3_MAX, 3, 7, E4M3_MIN_NORMAL, 16384.0, 0x46800000)
 
 
 @triton.jit
@@ -69,17 +81,9 @@ def e5m2_values(codes):
 
 @triton.jit
 def e5m2_codes(x):
-    """float32 -> uint8 e5m2 codes: saturated to +-57344, rounded to nearest even."""
-    sign = (x.to(tl.uint32, bitcast=True) >> 31).to(tl.uint8)
-    mag = tl.minimum(tl.abs(x), E5M2_MAX)
-    bits = mag.to(tl.uint32, bitcast=True)
-    # normal: 23 mantissa bits rounded to 2 (ties to even), the exponent rebiased 127 -> 15
-    rounded = (bits + 0xFFFFF + ((bits >> 21) & 1)) >> 21
-    normal = rounded - (112 << 2)
-    # subnormal: adding 2^7 (float32 ulp 2^-16) rounds the magnitude to 2^-16 steps
-    steps = (mag + 128.0).to(tl.uint32, bitcast=True) - 0x43000000
-    code = tl.where(mag < E5M2_MIN_NORMAL, steps, normal).to(tl.uint8)
-    return code | (sign << 7)
+    """float32 -> uint8 e5m2 codes: saturated to +-57344, rounded to nearest even
+    (subnormal steps of 2^-16: 2^7's ulp)."""
+    return _fp8_codes(x, E5M2_MAX, 2, 15, E5M2_MIN_NORMAL, 128.0, 0x43000000)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ from hotswap.model.models.decoder import MLP
 from hotswap.model.models.llama import LlamaForCausalLM
 from hotswap.model.moe import FusedExperts, MoESpec, SparseMoeBlock, expert_range
 from hotswap.model.parallel import ShardSlice, check_whole_shape
-from hotswap.model.quantized import SCALE_NAME, scale_name_of
+from hotswap.model.quantized import SCALE_NAME, codes_of_scale, scale_name_of
 from hotswap.quantization.fp8 import Fp8Config
 
 _EXPERT_TENSOR = re.compile(
@@ -42,7 +42,6 @@ _PROJECTIONS = {
 }  # fmt: skip
 _STACKED_PARAMETERS = ("gate_up_proj", "down_proj")
 _STACKED = tuple(f".mlp.experts.{p}" for p in _STACKED_PARAMETERS)
-_SCALES = scale_name_of("gate_up_proj").removeprefix("gate_up_proj")  # FP8 experts' suffix
 
 
 class MoeForCausalLM(LlamaForCausalLM):
@@ -209,7 +208,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def expand_keys(self, keys: set[str]) -> set[str]:
         expanded = set()
         for key in keys:
-            stacked = key.removesuffix(_SCALES)  # an FP8 model's scales expand as its codes
+            stacked = codes_of_scale(key) or key  # an FP8 model's scales expand as its codes
             if stacked.endswith(_STACKED[0]):
                 expanded.update(f"{key}#{e}.{p}" for e in self.local_experts()
                                 for p in (0, 1))  # fmt: skip
@@ -221,9 +220,9 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def checkpoint_name(self, key: str) -> str:
         name, _, shard = key.partition("#")
-        if name.endswith(_SCALES):
-            codes = self.checkpoint_name(f"{name.removesuffix(_SCALES)}#{shard}")
-            return codes.removesuffix("weight") + SCALE_NAME
+        codes = codes_of_scale(name)
+        if codes is not None:  # an FP8 weight's scales: named after its codes
+            return scale_name_of(self.checkpoint_name(f"{codes}#{shard}"))
         if name.endswith(_STACKED):
             expert, _, part = shard.partition(".")
             layer, stacked = name.rsplit(".mlp.experts.", 1)
