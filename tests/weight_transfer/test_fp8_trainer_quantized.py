@@ -94,3 +94,25 @@ def test_fp8_tensors_to_tensor_parallel_ranks_are_refused(v1_dir: Path, v2_dir: 
         send(llm, TensorSource(trainer_quantized({Q_PROJ: v2[Q_PROJ]})), "ipc")
     assert llm.get_weight_info() == before
     llm.shutdown()
+
+
+@pytest.mark.slow
+def test_fp8_values_in_a_sparse_delta_are_refused(v1_dir: Path) -> None:
+    from hotswap.weight_transfer import (
+        InProcessWeightSyncClient,
+        SparsePatch,
+        SparseTrainerInitInfo,
+        WeightTransferTrainerFactory,
+    )
+    from tests.weight_transfer.conftest import free_port
+
+    llm = fp8_llm(v1_dir, "sparse")
+    before = llm.get_weight_info()
+    engine = WeightTransferTrainerFactory.trainer_init(
+        SparseTrainerInitInfo(master_port=free_port(), world_size=2),
+        InProcessWeightSyncClient(llm), None,
+    )  # fmt: skip
+    values = torch.tensor([0.5, -0.25]).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="sparse delta"):
+        engine.send_patches([SparsePatch(Q_PROJ, (64, 64), torch.tensor([3, 70]), values)], "x")
+    assert llm.get_weight_info() == before
