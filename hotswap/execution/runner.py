@@ -41,6 +41,7 @@ from hotswap.model.kv_fp8 import calculate_kv_scales_on_first_step, use_fp8_kv
 from hotswap.model.loader import build_model
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
 from hotswap.model.parallel import TPGroup
+from hotswap.model.reference import refresh_references
 from hotswap.weights.double_buffer import RankShadow, ShadowWeights
 from hotswap.weights.rank_writes import RankWeights
 from hotswap.weights.residency import WeightResidency
@@ -178,6 +179,7 @@ class ModelRunner(RankWeights, RankShadow):
     @on_every_rank
     def weights_changed(self) -> None:
         """Drop every packed copy: the weights were (or may have been) written."""
+        refresh_references(self.model)  # keep_reference: codes written as sent (after swaps)
         for holder in self.packed:
             holder.invalidate()
         if self.images is not None:

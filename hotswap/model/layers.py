@@ -14,6 +14,7 @@ from torch import nn
 from hotswap.model.kernels import LayerKernels
 from hotswap.model.packed import PackedWeight
 from hotswap.model.quantized import fp8_linear
+from hotswap.model.reference_views import serves_reference
 
 # Batch-invariant mode runs every matmul on fixed-shape row tiles: CPU GEMM kernels pick
 # their reduction order from the problem shape, so a row's result would otherwise depend on
@@ -105,13 +106,18 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.reduce is None else None
-        if self.fp8 is not None:
+        if self.fp8 is not None and not serves_reference(self.fp8):
             invariant = tiled_linear if self.batch_invariant else None
             out = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8, bias, invariant)
-        elif self.batch_invariant:
-            out = tiled_linear(x, self.weight, bias)
         else:
-            out = linear(x, self.weight, bias, self.matvec, self.packed)
+            # the model dtype's weight; an FP8 layer's reference inside serving_reference
+            # (model/reference.py), through the paths a bf16 weight takes (an FP8 layer
+            # has no packed copy: `packed` is None)
+            weight = self.weight if self.fp8 is None else self.fp8.reference
+            if self.batch_invariant:
+                out = tiled_linear(x, weight, bias)
+            else:
+                out = linear(x, weight, bias, self.matvec, self.packed)
         if self.lora is not None:  # before the sum: a row-parallel rank's is partial too
             out = self.lora.add_to(x, out)
         if self.reduce is not None:

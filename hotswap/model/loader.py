@@ -16,6 +16,7 @@ from hotswap.model.kv_fp8 import set_checkpoint_kv_scales, split_kv_scales
 from hotswap.model.models.registry import get_model_class
 from hotswap.model.parallel import TPGroup
 from hotswap.model.quantized import SCALE_NAME
+from hotswap.model.reference import refresh_references
 from hotswap.weights.checkpoint import iter_safetensors, num_tensors, safetensors_files
 
 
@@ -40,6 +41,8 @@ def build_model(
         init_dummy_weights(model, config.seed)
     else:
         load_checkpoint(model, config.path, progress)
+    # keep_reference: an FP8 checkpoint's references (dummy weights: every one) from codes
+    refresh_references(model, everything=config.load_format == "dummy")
     return model.eval()
 
 

@@ -38,6 +38,7 @@ from hotswap.model.kernels import LayerKernels
 from hotswap.model.layers import Linear, silu_and_mul, tiled_linear
 from hotswap.model.parallel import TPGroup, even_split
 from hotswap.model.quantized import Fp8Stack
+from hotswap.model.reference_views import serves_reference
 from hotswap.quantization.fp8 import Fp8Config
 
 # Rows of one expert that go through the GEMV kernel, bf16 or FP8 (csrc/moe.cpp reads the
@@ -186,22 +187,35 @@ class FusedExperts(nn.Module):
         (their dtype's), if there is one here."""
         if self.kernels is None:
             return None
-        return self.kernels.fused_moe if self.fp8 is None else self.kernels.fused_moe_fp8
+        if self.fp8 is None or serves_reference(self.fp8["gate_up_proj"].fp8):
+            return self.kernels.fused_moe
+        return self.kernels.fused_moe_fp8
+
+    def dense_weight(self, parameter: str) -> torch.Tensor | None:
+        """Stacked `parameter` in the model dtype: the parameter itself, or inside
+        serving_reference (model/reference.py) an FP8 stack's reference, run as bf16
+        weights are; None: FP8 codes, run as such."""
+        if self.fp8 is None:
+            return getattr(self, parameter)
+        layout = self.fp8[parameter].fp8
+        return layout.reference if serves_reference(layout) else None
 
     def _call_fused(self, op, x: torch.Tensor, ids: torch.Tensor,  # noqa: ANN001
                     weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        if self.fp8 is None:
-            return op(x, self.gate_up_proj, self.down_proj, ids, weights)
+        gate_up = self.dense_weight("gate_up_proj")
+        if gate_up is not None:
+            return op(x, gate_up, self.dense_weight("down_proj"), ids, weights)
         up, down = self.fp8["gate_up_proj"], self.fp8["down_proj"]
         return op(x, up.weight, up.weight_scale_inv, down.weight, down.weight_scale_inv, ids,
                   weights, up.fp8.block[0], up.fp8.block[1])  # fmt: skip
 
     def _linear(self, x: torch.Tensor, parameter: str, expert: int) -> torch.Tensor:
         """x through expert `expert`'s `parameter` (gate_up_proj or down_proj)."""
-        if self.fp8 is not None:
+        stacked = self.dense_weight(parameter)
+        if stacked is None:
             invariant = tiled_linear if self.invariant else None
             return self.fp8[parameter].linear(x, expert, invariant, EXPERT_MATVEC_MAX_ROWS)
-        weight = getattr(self, parameter)[expert]
+        weight = stacked[expert]
         if self.invariant:
             return tiled_linear(x, weight, None)
         matvec = self.kernels.gemv if self.kernels is not None else None

@@ -25,6 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hotswap.model.kernels import LayerKernels
+from hotswap.model.reference_views import (
+    Region,
+    note_codes_as_sent,
+    reference_view,
+    set_reference,
+    set_reference_flat,
+)
 from hotswap.quantization.fp8 import (
     FP8_DTYPE,
     Fp8Config,
@@ -48,6 +55,14 @@ class Fp8Layout:
     scale_rows: torch.Tensor  # int32 [out_features]
     shards: list[tuple[int, int]]
     kernels: LayerKernels | None = field(default=None, repr=False)  # set with the model's
+    # Fp8Config.keep_reference: the weight in the model dtype as received, laid out as the
+    # codes (same shape and strides; not a parameter). None without it.
+    reference: torch.Tensor | None = field(default=None, repr=False)
+    serving: bool = False  # inside serving_reference: products over `reference`
+    # Regions of the codes written as sent (no tensor in the model dtype came), whose
+    # reference is re-derived as codes x scales once the scales are in: at the commit
+    # (model/reference.py refresh_references).
+    stale: list[Region] = field(default_factory=list, repr=False)
 
     @classmethod
     def for_shards(
@@ -73,13 +88,20 @@ class Fp8Layout:
         return scale.narrow(0, first, count)
 
     def dequantize(
-        self, codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The weight's values in `dtype` (float32 products rounded once, on any device)."""
+        """The weight's values in `dtype` (float32 products rounded once, on any device).
+        `rows`: the scale row of each of `codes`' rows, for some rows of the layer's
+        (default: all of them, `scale_rows`)."""
+        rows = self.scale_rows if rows is None else rows
         kernels = self.kernels
         if kernels is not None and kernels.fp8_dequantize is not None:
-            return kernels.fp8_dequantize(codes, scale, self.scale_rows, self.block[1], dtype)
-        per_row = scale.index_select(0, self.scale_rows)
+            return kernels.fp8_dequantize(codes, scale, rows, self.block[1], dtype)
+        per_row = scale.index_select(0, rows)
         full = per_row.repeat_interleave(self.block[1], dim=1)[:, : codes.shape[1]]
         return (codes.float() * full).to(dtype)
 
@@ -133,6 +155,8 @@ def quantize_linear(module: nn.Module, shard_sizes: list[int], config: Fp8Config
     module.weight_scale_inv = nn.Parameter(
         torch.ones(layout.num_scale_rows, scale_cols, dtype=torch.float32, device=device), False
     )
+    if config.keep_reference:
+        layout.reference = torch.empty_like(module.weight, dtype=module.compute_dtype)
     module.fp8 = layout
 
 
@@ -155,6 +179,8 @@ class Fp8Stack:
         self.weight_scale_inv = nn.Parameter(torch.ones(
             experts, self.fp8.num_scale_rows, scale_cols, dtype=torch.float32, device=device
         ), False)  # fmt: skip
+        if config.keep_reference:
+            self.fp8.reference = torch.empty_like(self.weight, dtype=owner.compute_dtype)
         setattr(owner, name, self.weight)
         setattr(owner, scale_name_of(name), self.weight_scale_inv)
 
@@ -315,10 +341,13 @@ def write_part(model: nn.Module, name: str, view: torch.Tensor, tensor: torch.Te
     """Checkpoint tensor `name`'s part `tensor` into `view` (its `checkpoint_view`, or this
     rank's part of it); quantized on the way into an FP8 weight."""
     layer = _fp8_layer(model, name)
-    if layer is None:
+    if layer is None or tensor.dtype == FP8_DTYPE:  # FP8 codes a trainer quantized: as sent
         view.copy_(tensor)
+        if layer is not None:
+            note_codes_as_sent(layer, view)
     else:
         quantize_into(layer.fp8, view, scale_view_for(layer, view), tensor)
+        set_reference(reference_view(layer, view), tensor)
 
 
 def write_flat(
@@ -331,3 +360,4 @@ def write_flat(
         view.view(-1)[indices] = values.to(view.dtype)
     else:
         requantize_delta(layer.fp8, view, scale_view_for(layer, view), indices, values)
+        set_reference_flat(reference_view(layer, view), indices, values)

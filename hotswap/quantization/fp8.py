@@ -29,10 +29,18 @@ DEFAULT_BLOCK = (128, 128)
 class Fp8Config:
     """What `--quantization fp8` or a checkpoint's `quantization_config` asks for.
     `ignored_layers`: module-name prefixes kept unquantized (vLLM's key; transformers
-    writes `modules_to_not_convert`)."""
+    writes `modules_to_not_convert`).
+
+    `keep_reference`: keep a copy of each quantized weight in the model dtype, as received
+    (bf16/float32 tensors as sent, sparse deltas as a bf16 engine applies them; FP8 codes
+    sent as they are: their dequantized values), for scoring with the unquantized policy
+    (model/reference.py serving_reference). Not a parameter: digests and checkpoint keys
+    are unchanged. Memory: the weights then take the model dtype's bytes plus the FP8
+    codes' (bf16: 3 bytes a weight instead of 1), and a double buffer's shadow twice that."""
 
     block: tuple[int, int] = DEFAULT_BLOCK  # (block_n: output rows, block_k: input columns)
     ignored_layers: tuple[str, ...] = ()
+    keep_reference: bool = False  # not a checkpoint key: set by the engine (dataclasses.replace)
 
     @classmethod
     def from_hf(

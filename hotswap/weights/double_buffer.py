@@ -46,6 +46,14 @@ from hotswap.model.quantized import (
     scale_name_of,
     scale_view_for,
 )
+from hotswap.model.reference import REFERENCE_SUFFIX, reference_tensors
+from hotswap.model.reference_views import (
+    Region,
+    reference_view,
+    region_of,
+    set_reference,
+    set_reference_flat,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +62,9 @@ HEADROOM = 0.9  # of the available memory a second copy may take
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in dict.fromkeys(model.parameters()))
+    """What a shadow copy takes: the parameters, and FP8 layers' references if kept."""
+    tensors = [*dict.fromkeys(model.parameters()), *reference_tensors(model).values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def fits(model: nn.Module, device: torch.device, allow_fallback: bool, ranks: int = 1) -> bool:
@@ -89,12 +99,19 @@ class DeltaPart(NamedTuple):
 
 class ShadowWeights:
     """A second copy of a model's parameters (this rank's share), written by a round
-    while steps read the live ones, and swapped in at its commit."""
+    while steps read the live ones, and swapped in at its commit. An FP8 layer's reference
+    weight (model/reference.py) is one more tensor here, named after its codes with
+    REFERENCE_SUFFIX: claimed, swapped and dropped as a parameter is (its `.data` swaps:
+    the layout keeps the same tensor object)."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.params: dict[str, nn.Parameter] = model.parameter_index()
+        self.params: dict[str, torch.Tensor] = {**model.parameter_index(),
+                                                **reference_tensors(model)}  # fmt: skip
         self.shadow: dict[str, torch.Tensor] = {}  # allocated per parameter on first write
         self.written: set[str] = set()  # parameters the open round wrote into the shadow
+        # FP8 codes the open round wrote as sent: (layout, region), whose references are
+        # derived after the swap (model/reference.py refresh_references); dropped with it
+        self.codes_as_sent: list[tuple[Any, Region]] = []
 
     def claim(self, name: str, whole: bool) -> torch.Tensor:
         """Parameter `name`'s shadow, ready for the round to write into. The first write of
@@ -135,6 +152,21 @@ class ShadowWeights:
                 return self.destination(live_view, name)
         return fallback(meta)
 
+    def reference_destination(
+        self, layer: Any, target: Target, sparse: bool
+    ) -> torch.Tensor | None:
+        """The shadow's view of FP8 `layer`'s reference where `target`'s codes are written,
+        claimed as `destination` claims the codes' (None: the layer keeps none)."""
+        live = reference_view(layer, target[1])
+        if live is None:
+            return None
+        return self.destination(live, target[0] + REFERENCE_SUFFIX, sparse)
+
+    def note_codes_as_sent(self, layer: Any, view: torch.Tensor) -> None:
+        """FP8 codes written as sent into shadow `view` (model/reference_views.py)."""
+        if layer.fp8.reference is not None:
+            self.codes_as_sent.append((layer.fp8, region_of(layer.weight.data, view)))
+
     @torch.no_grad()
     def write(self, received: torch.Tensor, view: torch.Tensor) -> None:
         """Copy a received tensor into its shadow view (unless it was received there)."""
@@ -145,11 +177,13 @@ class ShadowWeights:
         """The open round will not be committed: what it wrote is forgotten (a later
         partial write refreshes from the live weights again)."""
         self.written.clear()
+        self.codes_as_sent.clear()
 
     def release(self) -> None:
         """Free the shadow (sleep); later rounds allocate it again."""
         self.shadow.clear()
         self.written.clear()
+        self.codes_as_sent.clear()
 
     def swap(self, in_place: bool = False) -> None:
         """The switch: every parameter the round wrote now reads its shadow, whose
@@ -164,6 +198,9 @@ class ShadowWeights:
                 else:
                     param.data, self.shadow[name] = self.shadow[name], param.data
         self.written.clear()
+        for layout, region in self.codes_as_sent:  # derived at the commit's weights_changed
+            layout.stale.append(region)
+        self.codes_as_sent.clear()
 
 
 class RankShadow:
@@ -203,8 +240,11 @@ class RankShadow:
             part = item if piece is None else piece.take(item)
             if layer is None or part.dtype == view.dtype:  # FP8 codes a trainer quantized
                 shadow.write(part, view)
+                if layer is not None:
+                    shadow.note_codes_as_sent(layer, view)
             else:
                 quantize_into(layer.fp8, view, scales, part)
+                set_reference(shadow.reference_destination(layer, target, False), part)
             return view
         indices, values = item.indices.to(view.device), item.values
         if piece is not None:
@@ -214,6 +254,8 @@ class RankShadow:
             view.view(-1)[indices] = values.to(view.device, view.dtype)
         else:
             requantize_delta(layer.fp8, view, scales, indices, values)
+            set_reference_flat(shadow.reference_destination(layer, target, True), indices,
+                               values)  # fmt: skip
         return view
 
     def forward_to_shadows(self, items: list[tuple[str, Any]]) -> None:

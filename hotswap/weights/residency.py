@@ -17,7 +17,9 @@ class WeightResidency:
     def offload(self, keep: bool = True) -> None:
         """Move every parameter into the host backup (or drop it: `keep=False`); the model
         keeps empty tensors, so a step that ran by mistake would fail loudly instead of
-        using stale memory."""
+        using stale memory. An FP8 layer's reference weight (Fp8Config.keep_reference) is
+        no parameter and stays resident: exact again after a level-1 wake; after a level-2
+        one a complete round or a reload rewrites it with the codes."""
         if not self.resident:
             return
         for name, param in self.model.named_parameters():

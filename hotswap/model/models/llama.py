@@ -33,6 +33,7 @@ from hotswap.model.quantized import (
     scale_name_of,
     scale_view_for,
 )
+from hotswap.model.reference_views import note_codes_as_sent, reference_view, set_reference
 from hotswap.quantization.fp8 import FP8_DTYPE, Fp8Config
 
 # checkpoint projection name -> (fused parameter name, shard index)
@@ -232,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
         owner = self.quantized_layer(param_name)
         if owner is not None and part.dtype != FP8_DTYPE:
             quantize_into(owner.fp8, dest, scale_view_for(owner, dest), part)
+            set_reference(reference_view(owner, dest), part)  # keep_reference: as sent
             return {key, self._scale_key(param_name, shard)}
         if part.dtype == FP8_DTYPE and (owner is None or self.tp.parallel):
             raise ValueError(
@@ -239,6 +241,8 @@ class LlamaForCausalLM(nn.Module):
                 f"(quantization_config) without tensor parallelism"
             )
         dest.copy_(part)
+        if owner is not None:  # FP8 codes as they came: the reference is derived later
+            note_codes_as_sent(owner, dest)
         return {key}
 
     def expected_checkpoint_keys(self) -> set[str]:

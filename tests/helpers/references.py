@@ -1,0 +1,41 @@
+"""Engines that keep FP8 layers' reference weights (Fp8Config.keep_reference), before an
+engine flag sets it: `resolve_quantization` patched to ask for them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import hotswap.engine_args as engine_args
+
+
+def keep_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every engine started after this (in this process; its ranks get the config) keeps
+    references of its FP8 weights."""
+    resolve = engine_args.resolve_quantization
+
+    def with_references(method: str | None, hf_config: dict[str, Any]):  # noqa: ANN202
+        config = resolve(method, hf_config)
+        return None if config is None else dataclasses.replace(config, keep_reference=True)
+
+    monkeypatch.setattr(engine_args, "resolve_quantization", with_references)
+
+
+def stacked_checkpoint(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The checkpoint's value of engine parameter `name` (an FP8 layer's codes): its
+    checkpoint tensors as the engine fuses them (q/k/v and gate/up rows one after the
+    other, each routed expert's matrices stacked), from the checkpoint alone."""
+    layer, _, kind = name.rpartition(".")
+    if layer.endswith(".mlp.experts"):
+        experts = sorted({int(n.split(".")[-3]) for n in weights if n.startswith(layer + ".")})
+        if kind == "down_proj":
+            return torch.stack([weights[f"{layer}.{e}.down_proj.weight"] for e in experts])
+        return torch.stack([torch.cat([weights[f"{layer}.{e}.{p}.weight"]
+                                       for p in ("gate_proj", "up_proj")]) for e in experts])  # fmt: skip
+    owner, _, module = layer.rpartition(".")
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    names = parts.get(module, (module,))
+    return torch.cat([weights[f"{owner}.{p}.{kind}"] for p in names])
