@@ -4,12 +4,14 @@ engine flag sets it: `resolve_quantization` patched to ask for them."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import pytest
 import torch
 
 import hotswap.engine_args as engine_args
+from hotswap.model.reference import fp8_layers
 
 
 def keep_references(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,9 +35,29 @@ def stacked_checkpoint(weights: dict[str, torch.Tensor], name: str) -> torch.Ten
         experts = sorted({int(n.split(".")[-3]) for n in weights if n.startswith(layer + ".")})
         if kind == "down_proj":
             return torch.stack([weights[f"{layer}.{e}.down_proj.weight"] for e in experts])
-        return torch.stack([torch.cat([weights[f"{layer}.{e}.{p}.weight"]
-                                       for p in ("gate_proj", "up_proj")]) for e in experts])  # fmt: skip
+        gate_up = [[weights[f"{layer}.{e}.{p}.weight"] for p in ("gate_proj", "up_proj")]
+                   for e in experts]  # fmt: skip
+        return torch.stack([torch.cat(pair) for pair in gate_up])
     owner, _, module = layer.rpartition(".")
     parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     names = parts.get(module, (module,))
     return torch.cat([weights[f"{owner}.{p}.{kind}"] for p in names])
+
+
+def tensor_hash(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
+
+
+class ReferenceProbe:
+    """A worker extension (`worker_extension_cls="tests.helpers.references:ReferenceProbe"`):
+    what each tensor-parallel rank holds."""
+
+    def reference_hashes(self) -> dict[str, str]:
+        """Each FP8 layer's reference on this rank, by its codes' parameter name."""
+        model = self.model_runner.model  # type: ignore[attr-defined]  # set by the engine
+        return {name: tensor_hash(layer.fp8.reference) for name, layer in fp8_layers(model)}
+
+    def parameter_hashes(self, names: list[str]) -> dict[str, str]:
+        """Parameters `names` on this rank (a bf16 engine's weights)."""
+        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        return {name: tensor_hash(params[name]) for name in names}

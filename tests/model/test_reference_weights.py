@@ -156,13 +156,10 @@ def test_a_reference_is_laid_out_as_the_codes_and_is_no_parameter() -> None:
     )
 
 
-def test_serving_reference_refuses_a_model_without_references_and_skips_one_without_fp8() -> (
-    None
-):
+def test_serving_reference_refuses_a_model_without_references_and_skips_one_without_fp8() -> None:
     model = nn.Sequential(fp8_linear_layer(False))
-    with pytest.raises(ValueError, match="keep_reference"):
-        with serving_reference(model):
-            pass
+    with pytest.raises(ValueError, match="keep_reference"), serving_reference(model):
+        pass
     assert REFERENCE_SWITCH.active == 0 and not model[0].fp8.serving
     plain = nn.Sequential(Linear(8, 8, False, torch.float32))
     with serving_reference(plain):
