@@ -37,7 +37,10 @@ class ReferenceSwitch:
     guards on its value, 0, so it never recompiles for it), and their layout's `serving`
     only when it is not 0: a model's switch leaves other models in the process alone."""
 
-    active: int = 0
+    def __init__(self) -> None:
+        # an instance attribute from the start: the graphs' guard is then on its value (a
+        # class attribute shadowed later would fail their guard even when back at 0)
+        self.active = 0
 
 
 REFERENCE_SWITCH = ReferenceSwitch()

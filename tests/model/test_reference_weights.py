@@ -214,3 +214,27 @@ def test_fp8_experts_serving_references_run_as_bf16_experts(fused) -> None:  # n
             want = bf16(x, ids, weights)
         assert torch.equal(got, want)
         assert not torch.equal(quantized, want)
+
+
+@pytest.mark.slow
+def test_compiled_decode_steps_keep_their_graphs(tiny_model_factory, monkeypatch) -> None:  # noqa: ANN001
+    """The switch is one module-level value the graphs guard on: outside serving_reference
+    every decode step runs compiled (none recompiles), before and after a reference pass;
+    inside, the graphs refuse (the step runs eagerly over the references)."""
+    model_dir = tiny_model_factory("llama")
+    with torch._dynamo.config.patch(disable=False):
+        llm = fp8_engine(model_dir, True, monkeypatch)
+        stats = llm.engine.stats.get_stats
+        assert stats()["compiled_decode"]
+        tokens, logits = greedy(llm)
+        compiled = stats()["compiled_decode_steps"]
+        assert compiled >= 5 and stats()["eager_decode_steps"] == 0  # every decode step
+        with serving_reference(llm.engine.runner.model):
+            greedy(llm)
+        eager = stats()["eager_decode_steps"]
+        assert stats()["compiled_decode_steps"] == compiled
+        again, again_logits = greedy(llm)
+        assert stats()["eager_decode_steps"] == eager
+        assert stats()["compiled_decode_steps"] >= 2 * compiled
+    assert again == tokens
+    assert all(torch.equal(a, b) for a, b in zip(again_logits, logits, strict=True))
