@@ -192,6 +192,7 @@ class EngineConfig:
     lora: LoRAConfig | None = None  # --enable-lora
     # vLLM's --enable-return-routed-experts: each token's experts, per MoE layer
     return_routed_experts: bool = False
+    bf16_logprobs: bool = False  # --enable-bf16-logprobs (engine/scoring.py)
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -290,7 +291,9 @@ def flat_text_config(config: dict[str, Any]) -> dict[str, Any]:
 QUANTIZATION_METHODS = ("fp8",)  # vLLM's --quantization values hotswap serves
 
 
-def resolve_quantization(method: str | None, hf_config: dict[str, Any]) -> Fp8Config | None:
+def resolve_quantization(
+    method: str | None, hf_config: dict[str, Any], keep_reference: bool = False
+) -> Fp8Config | None:
     """vLLM's rule: the checkpoint's (or --hf-overrides') quantization_config says how its
     weights are quantized, and --quantization, when given, must agree; --quantization fp8
     alone quantizes a bf16/fp32 checkpoint on load (here blockwise, 128 x 128)."""
@@ -299,7 +302,7 @@ def resolve_quantization(method: str | None, hf_config: dict[str, Any]) -> Fp8Co
         return None
     if method is not None and method not in QUANTIZATION_METHODS:
         raise InvalidArgument("quantization", f"quantization: {method!r} is not served; choose fp8")
-    return Fp8Config.from_hf(declared)
+    return Fp8Config.from_hf(declared, keep_reference=keep_reference)
 
 
 def parse_kv_cache_dtype(value: str) -> str:

@@ -235,6 +235,8 @@ class EngineArgs:
         "return the experts a mixture-of-experts model routed each token to "
         "(routed_experts on completions and chat; rollout routing replay)",
     )
+    enable_bf16_logprobs: bool = arg(False, "keep bf16 copies of FP8 weights and let requests "
+                                     "ask return_bf16_logprobs (the FP8-bf16 gap)")  # fmt: skip
     # Imported by the engine core at start, never named by a request.
     worker_extension_cls: str | None = arg(
         None,
@@ -250,6 +252,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         model_dir = resolve_model_path(self.model)
         hf_config = read_hf_config(model_dir, self.hf_overrides)
+        fp8 = resolve_quantization(self.quantization, hf_config, self.enable_bf16_logprobs)
         model_cfg = ModelConfig(
             path=model_dir,
             hf_config=hf_config,
@@ -258,7 +261,7 @@ class EngineArgs:
             load_format=check_choice("load_format", self.load_format, ("auto", "dummy")),
             seed=self.seed,
             head_dtype=parse_head_dtype(self.lm_head_dtype),
-            quantization=resolve_quantization(self.quantization, hf_config),
+            quantization=fp8,
         )
         check_positive("data_parallel_size", self.data_parallel_size)
         check_choice("dp_routing", self.dp_routing, DP_ROUTING)
@@ -294,6 +297,7 @@ class EngineArgs:
             ),
             lora=self._lora_config(),
             return_routed_experts=bool(self.enable_return_routed_experts),
+            bf16_logprobs=bool(self.enable_bf16_logprobs),
         )
 
     def _weight_transfer_config(self) -> WeightTransferConfig | None:
@@ -328,11 +332,8 @@ class EngineArgs:
             return
         if self.distributed_executor_backend == "uni":
             name = "distributed_executor_backend"
-            raise InvalidArgument(
-                name,
-                f"{name}: 'uni' runs one rank (got tensor_parallel_size="
-                f"{self.tensor_parallel_size}); use mp or ray",
-            )
+            raise InvalidArgument(name, f"{name}: 'uni' runs one rank (got tensor_parallel_size="
+                                  f"{self.tensor_parallel_size}); use mp or ray")  # fmt: skip
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -342,10 +343,8 @@ class EngineArgs:
         cpu = self.max_cpu_loras if self.max_cpu_loras is not None else max(8, self.max_loras)
         check_positive("max_cpu_loras", cpu)
         if cpu < self.max_loras:
-            raise InvalidArgument(
-                "max_cpu_loras",
-                f"max_cpu_loras: {cpu} is smaller than max_loras ({self.max_loras})",
-            )
+            raise InvalidArgument("max_cpu_loras", f"max_cpu_loras: {cpu} is smaller than "
+                                  f"max_loras ({self.max_loras})")  # fmt: skip
         return LoRAConfig(self.max_loras, self.max_lora_rank, cpu)
 
     def _resolve_max_model_len(self, hf_config: dict[str, Any]) -> int:

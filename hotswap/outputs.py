@@ -51,6 +51,9 @@ class CompletionOutput:
     # fed to the model was routed to, [prompt + output tokens - 1 -
     # routed_experts_prompt_start, decoder layers, top_k] (vLLM's field and shape)
     routed_experts: np.ndarray | None = None
+    # With return_bf16_logprobs (--enable-bf16-logprobs), on the final output: each token
+    # of `token_ids`' raw logprob under the unquantized (bf16) weights of an FP8 engine
+    bf16_logprobs: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -117,6 +117,9 @@ class SamplingParams:
     # With --enable-return-routed-experts: the prompt tokens whose experts are not
     # returned (vLLM's; a later turn skips the prefix an earlier one returned).
     routed_experts_prompt_start: int = 0
+    # With --enable-bf16-logprobs: on the final output, each sampled token's raw logprob
+    # under the unquantized (bf16) weights of an FP8 engine (issue 41; engine/scoring.py).
+    return_bf16_logprobs: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -181,6 +184,11 @@ class SamplingParams:
             _is_int(self.routed_experts_prompt_start) and self.routed_experts_prompt_start >= 0,
             "routed_experts_prompt_start",
             f"must be a non-negative integer, got {self.routed_experts_prompt_start!r}",
+        )
+        _require(
+            isinstance(self.return_bf16_logprobs, bool),
+            "return_bf16_logprobs",
+            f"must be a boolean, got {self.return_bf16_logprobs!r}",
         )
         self._validate_penalties()
         self._validate_logits_controls()

@@ -301,12 +301,13 @@ class AsyncLLM:
             self._generation_tokens += len(raw.new_token_ids)
             if raw.finish_reason is not None:
                 self._finished[raw.finish_reason] += 1
-        outputs, to_abort = self.processor.process(batch.outputs)
+        outputs, to_abort, to_stop = self.processor.process(batch.outputs)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.put_nowait(out)
         self.client.abort_requests(to_abort)
+        self.client.abort_requests(to_stop, stopped=True)
         for result in batch.results:
             future = self._calls.pop(result.call_id, None)
             if future is None or future.done():

@@ -100,7 +100,8 @@ class EngineCore:
             self.request_manager,
             self.versions,
         )
-        self.stats = EngineStats(scheduler, runner, sleep_state, self.weight_sync, self.versions)
+        self.stats = EngineStats(scheduler, runner, sleep_state, self.weight_sync, self.versions,
+                                 self.request_manager.scorer.gap)  # fmt: skip
         self.rpc = WorkerRpc(config, runner, self.weight_manager.load_from_disk)
         # Each verb's handler, bound to this core's manager of its class, by Args class.
         self.handlers = bind(HANDLERS, vars(self).values())
@@ -143,8 +144,11 @@ class EngineCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         self.request_manager.add(req)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
-        return self.request_manager.abort(request_ids)
+    def abort_requests(
+        self, request_ids: Iterable[str], stopped: bool = False
+    ) -> list[EngineCoreOutput]:
+        """`stopped`: a stop string ended them in the front end (EngineCoreClient's)."""
+        return self.request_manager.abort(request_ids, stopped=stopped)
 
     def has_unfinished_requests(self) -> bool:
         return self.request_manager.has_unfinished()

@@ -45,7 +45,9 @@ class EngineCoreClient(ABC):
     def add_request(self, request: EngineCoreRequest) -> None: ...
 
     @abstractmethod
-    def abort_requests(self, request_ids: list[str]) -> None: ...
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
+        """`stopped`: a stop string ended them in the front end, which still awaits their
+        final outputs (return_bf16_logprobs scores them first: engine/scoring.py)."""
 
     @abstractmethod
     def call_utility(self, call: UtilityCall) -> None: ...
@@ -75,9 +77,9 @@ class InprocEngineClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self.inbox.put((InputKind.ADD, request))
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         if request_ids:
-            self.inbox.put((InputKind.ABORT, list(request_ids)))
+            self.inbox.put((InputKind.STOP if stopped else InputKind.ABORT, list(request_ids)))
 
     def call_utility(self, call: UtilityCall) -> None:
         self.inbox.put((InputKind.UTILITY, call))
@@ -248,9 +250,9 @@ class MPEngineClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(InputKind.ADD, request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         if request_ids:
-            self._send(InputKind.ABORT, list(request_ids))
+            self._send(InputKind.STOP if stopped else InputKind.ABORT, list(request_ids))
 
     def call_utility(self, call: UtilityCall) -> None:
         self._send(InputKind.UTILITY, call)

@@ -54,6 +54,7 @@ class InputKind(enum.IntEnum):
     UTILITY = 2
     SHUTDOWN = 3
     BACKGROUND_DONE = 4  # internal: a call run on the worker thread has finished
+    STOP = 5  # an abort of requests a stop string ended in the front end
 
 
 @dataclass
@@ -133,8 +134,9 @@ class EngineCoreLoop:
     def _handle(self, kind: InputKind, payload: Any) -> None:
         if kind == InputKind.ADD:
             self._add(payload)
-        elif kind == InputKind.ABORT:
-            self.outputs.extend(self.core.abort_requests(payload))
+        elif kind in (InputKind.ABORT, InputKind.STOP):
+            stopped = kind == InputKind.STOP
+            self.outputs.extend(self.core.abort_requests(payload, stopped))
         elif kind == InputKind.UTILITY:
             self._call(payload)
         elif kind == InputKind.SHUTDOWN:

@@ -40,6 +40,7 @@ def finished_output(request: Request, weights: WeightVersion) -> EngineCoreOutpu
         lora_name=lora.name if lora is not None else None,
         lora_version=lora.version if lora is not None else None,
         routed_experts=_take_routed_experts(request),
+        bf16_logprobs=request.bf16_logprobs,  # set at the finish, when asked for
     )
 
 
@@ -58,8 +59,8 @@ def step_output(request: Request, result: RunnerOutput, weights: WeightVersion) 
     logprobs = result.logprobs.get(request.request_id)
     out = finished_output(request, weights)
     out.new_token_ids = [request.output_token_ids[-1]]
-    if logprobs is not None:
-        out.new_logprobs = [logprobs_msg(logprobs)]
+    if logprobs is not None and request.sampling_params.logprobs is not None:
+        out.new_logprobs = [logprobs_msg(logprobs)]  # (return_bf16_logprobs also has them)
     if request.sampling_params.prompt_logprobs is not None and not request.prompt_logprobs_sent:
         out.prompt_logprobs = [logprobs_msg(lp) for lp in request.prompt_logprobs]
         request.prompt_logprobs_sent = True

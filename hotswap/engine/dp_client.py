@@ -122,14 +122,14 @@ class DPEngineClient(EngineCoreClient):
             self.active[rank].add(request.request_id)
         self.ranks[rank].add_request(request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         by_rank: dict[int, list[str]] = defaultdict(list)
         with self.lock:
             for request_id in request_ids:
                 if request_id in self.owner:
                     by_rank[self.owner[request_id]].append(request_id)
         for rank, ids in by_rank.items():
-            self.ranks[rank].abort_requests(ids)
+            self.ranks[rank].abort_requests(ids, stopped)
 
     def call_utility(self, call: UtilityCall) -> None:
         with self.lock:

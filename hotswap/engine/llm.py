@@ -214,9 +214,11 @@ class LLM:
             total=len(order), desc="Generating", unit="req", disable=not use_tqdm or len(order) < 2
         )
         while self.engine.has_unfinished_requests():
-            outputs, to_abort = self.processor.process(self.engine.step())
-            if to_abort:
-                self.engine.abort_requests(to_abort)
+            done = self.processor.process(self.engine.step())
+            self.engine.abort_requests(done.to_abort)
+            # the final outputs of these still carry their bf16 logprobs
+            outputs = done.outputs + self.processor.process(
+                self.engine.abort_requests(done.to_stop, stopped=True)).outputs  # fmt: skip
             for out in outputs:
                 if out.finished:
                     finished[out.request_id] = out

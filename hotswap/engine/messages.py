@@ -86,6 +86,9 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     lora_version: int | None = None
     # Experts of the positions read since the request's last output (routing replay).
     routed_experts: RoutedExpertsMsg | None = None
+    # return_bf16_logprobs, on the final output: each output token's raw logprob under
+    # the bf16 weights (engine/scoring.py)
+    bf16_logprobs: list[float] | None = None
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,6 +37,10 @@ class ChoiceState:
     spans: list[WeightVersionSpan] = field(default_factory=list)
     routed_experts: list[np.ndarray] = field(default_factory=list)  # rows as they came
     num_prompt_tokens: int = 0
+    bf16_logprobs: list[float] | None = None  # return_bf16_logprobs, from the final output
+    # A stop string ended it here while the engine still had to score it with the bf16
+    # weights: (finish_reason, stop_reason), applied when the engine's final output comes.
+    pending_finish: tuple[str, str] | None = None
 
     def routed_experts_rows(self) -> np.ndarray | None:
         """[prompt + output tokens - 1 - routed_experts_prompt_start, layers, top_k]: every
@@ -76,6 +81,16 @@ class RequestState:
         return all(c.finish_reason is not None for c in self.choices)
 
 
+class Processed(NamedTuple):
+    """What `OutputProcessor.process` gives back: the outputs to deliver; the child ids a
+    stop string ended, to abort (`to_stop`: those whose final output, with their bf16
+    logprobs, is still awaited: aborted with `stopped`)."""
+
+    outputs: list[RequestOutput]
+    to_abort: list[str]
+    to_stop: list[str]
+
+
 def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
@@ -111,26 +126,27 @@ class OutputProcessor:
         self.requests[request_id] = state
         return children
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the request outputs to deliver and the child ids the engine must abort
-        (a stop string ended them here, after the engine produced the token)."""
+    def process(self, outputs: list[EngineCoreOutput]) -> Processed:
+        """The request outputs to deliver and the child ids a stop string ended here,
+        after the engine produced the token: the engine must abort them."""
         touched: dict[str, RequestState] = {}
-        to_abort: list[str] = []
+        done = Processed([], [], [])
         for out in outputs:
             entry = self.child_to_choice.get(out.request_id)
             if entry is None:
                 continue  # already finished here (e.g. stop string) and aborted
             state, choice = entry
             if self._apply(state, choice, out):
-                to_abort.append(out.request_id)
+                stopped = choice.pending_finish is not None
+                (done.to_stop if stopped else done.to_abort).append(out.request_id)
             if choice.finish_reason is not None:
                 del self.child_to_choice[out.request_id]
             touched[state.request_id] = state
-        results = [r for s in touched.values() if (r := self._make_output(s)) is not None]
+        done.outputs.extend(r for s in touched.values() if (r := self._make_output(s)) is not None)
         for state in touched.values():
             if state.finished:
                 del self.requests[state.request_id]
-        return results, to_abort
+        return done
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self.requests.get(request_id)
@@ -167,6 +183,13 @@ class OutputProcessor:
 
     def _apply(self, state: RequestState, choice: ChoiceState, out: EngineCoreOutput) -> bool:
         """Fold one engine output into a choice; True if a stop string just ended it."""
+        if choice.pending_finish is not None:  # stopped: only its bf16 logprobs are awaited
+            if out.finished:
+                choice.finish_reason, choice.stop_reason = choice.pending_finish
+                choice.bf16_logprobs = (out.bf16_logprobs or [])[: len(choice.token_ids)]
+            return False
+        if out.bf16_logprobs is not None:
+            choice.bf16_logprobs = out.bf16_logprobs
         state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None:
             state.prompt_logprobs = self._prompt_logprobs(state.prompt_token_ids, out)
@@ -181,7 +204,10 @@ class OutputProcessor:
         check_stop = len(choice.token_ids) >= choice.params.min_tokens
         stop_str = choice.detokenizer.update(out.new_token_ids, check_stop=check_stop)
         if stop_str is not None and out.finish_reason is None:
-            choice.finish_reason, choice.stop_reason = "stop", stop_str
+            if choice.params.return_bf16_logprobs:  # the engine scores it as it aborts it
+                choice.pending_finish = ("stop", stop_str)
+            else:
+                choice.finish_reason, choice.stop_reason = "stop", stop_str
             return True
         if stop_str is not None:
             choice.finish_reason, choice.stop_reason = "stop", stop_str
@@ -249,6 +275,7 @@ class OutputProcessor:
             stop_reason=choice.stop_reason,
             weight_versions=_clip_spans(choice.spans, start),
             routed_experts=choice.routed_experts_rows() if finished else None,
+            bf16_logprobs=choice.bf16_logprobs if finished else None,
         )
 
 

@@ -102,6 +102,10 @@ class Request:
         # produced the token after it.
         self.routed_experts: list[np.ndarray] = []
         self.routed_experts_end = 0
+        # return_bf16_logprobs (engine/scoring.py): each sampled token's raw logprob as
+        # the sampler reported it, and its logprob under the bf16 weights, set at finish.
+        self.sampled_logprobs: list[float] = []
+        self.bf16_logprobs: list[float] | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

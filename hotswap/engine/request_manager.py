@@ -3,6 +3,7 @@ batch into per-request outputs."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 
 from hotswap.config import EngineConfig
@@ -13,9 +14,10 @@ from hotswap.engine.messages import EngineCoreOutput, EngineCoreRequest
 from hotswap.engine.prompts import check_prompt
 from hotswap.engine.request import Request, RequestStatus
 from hotswap.engine.scheduler import PauseState, Scheduler, SchedulerOutput
+from hotswap.engine.scoring import Bf16Scorer
 from hotswap.engine.verbs import ResetPrefixCache
 from hotswap.errors import InvalidArgument
-from hotswap.execution.runner import ModelRunner
+from hotswap.execution.runner import ModelRunner, RunnerOutput
 from hotswap.lora.manager import LoRAManager
 from hotswap.multimodal.placement import ImagePlacement
 from hotswap.structured_output import LazyGrammarCompiler
@@ -46,6 +48,8 @@ class RequestManager:
         self.vocab_size = config.model.vocab_size
         self.image_model = ImageModel(config.model.hf_config)
         self.grammars = LazyGrammarCompiler(config.tokenizer or config.model.path, self.vocab_size)
+        budget = config.scheduler.max_num_batched_tokens
+        self.scorer = Bf16Scorer(runner, scheduler, budget, config.logprobs_mode)
 
     def validate(self, req: EngineCoreRequest) -> ImagePlacement | None:
         """Raise ValueError naming the problem; changes nothing. Returns the request's
@@ -55,6 +59,12 @@ class RequestManager:
             raise InvalidArgument("request_id", f"request_id: {req.request_id!r} is already in use")
         req.sampling_params.check_token_ids(self.vocab_size)
         req.sampling_params.check_prompt_length(len(req.prompt_token_ids))
+        if req.sampling_params.return_bf16_logprobs and not self.config.bf16_logprobs:
+            raise InvalidArgument(
+                "return_bf16_logprobs",
+                "return_bf16_logprobs: the engine keeps no bf16 weights; start it with "
+                "--enable-bf16-logprobs",
+            )
         if req.lora_name is not None:
             self.loras.resolve(req.lora_name, self.adapters_in_use())
         return self.image_model.placement(req.prompt_token_ids, req.images)
@@ -83,11 +93,17 @@ class RequestManager:
         self.scheduler.add_request(request)
 
     def abort(
-        self, request_ids: Iterable[str], reasons: Mapping[str, str] | None = None
+        self,
+        request_ids: Iterable[str],
+        reasons: Mapping[str, str] | None = None,
+        stopped: bool = False,
     ) -> list[EngineCoreOutput]:
         """Finish the requests as aborted (unknown ids are skipped); `reasons` gives the
-        stop reason of each. Returns their final outputs."""
+        stop reason of each. Returns their final outputs. `stopped`: a stop string ended
+        them in the front end, which awaits their bf16 logprobs if they asked."""
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if stopped:
+            self.scorer.score([r for r in aborted if r.sampling_params.return_bf16_logprobs])
         if reasons is not None:
             for request in aborted:
                 request.stop_reason = reasons[request.request_id]
@@ -118,7 +134,20 @@ class RequestManager:
             if (request := self.scheduler.requests.get(request_id)) is not None:
                 request.add_routed_experts(rows)
         changed = self.scheduler.update_from_output(plan, result.sampled)
+        self._score_bf16(changed, result)
         return [step_output(r, result, self.weights) for r in changed]
+
+    def _score_bf16(self, changed: list[Request], result: RunnerOutput) -> None:
+        """return_bf16_logprobs: keep each new token's sampled logprob, and score the
+        requests that finished now with the bf16 weights (engine/scoring.py)."""
+        finished = []
+        for request in changed:
+            if request.sampling_params.return_bf16_logprobs:
+                entry = result.logprobs.get(request.request_id)
+                request.sampled_logprobs.append(math.nan if entry is None else entry.token_logprob)
+                if request.is_finished:
+                    finished.append(request)
+        self.scorer.score(finished)
 
     def check_not_stuck(self) -> None:
         """Called when a step scheduled nothing."""

@@ -266,6 +266,16 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         return num_new
 
+    def make_room(self, num_blocks: int) -> None:
+        """Preempt running requests (newest first; lowest priority first under the
+        priority policy) until `num_blocks` blocks are free, for work outside a step
+        (engine/scoring.py). Preempting all of them frees every block."""
+        while not self.kv.pool.can_allocate(num_blocks) and self.running:
+            priority = self.config.policy == "priority"
+            victim = lowest_priority(self.running) if priority else self.running[-1]
+            self.running.remove(victim)
+            self._preempt(victim)
+
     def _preempt(self, request: Request, count: bool = True) -> None:
         self.kv.free(request)
         request.reset_for_recompute()

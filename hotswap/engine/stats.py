@@ -9,6 +9,7 @@ from collections import deque
 from hotswap.engine.core_outputs import WeightVersion
 from hotswap.engine.handlers import Outputs, handles
 from hotswap.engine.scheduler import Scheduler
+from hotswap.engine.scoring import Bf16Gap
 from hotswap.engine.sleep import SleepState
 from hotswap.engine.verbs import GetStats
 from hotswap.execution.runner import ModelRunner
@@ -31,12 +32,14 @@ class EngineStats:
         sleep_state: SleepState,
         weight_sync: WeightSync,
         versions: WeightVersion,
+        bf16_gap: Bf16Gap,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sleep_state = sleep_state
         self.weight_sync = weight_sync
         self.versions = versions
+        self.bf16_gap = bf16_gap  # return_bf16_logprobs' FP8-bf16 gap (engine/scoring.py)
         self.step_seconds: deque[float] = deque(maxlen=STEP_TIMES_KEPT)  # non-empty steps
 
     def record_step(self, seconds: float) -> None:
@@ -69,6 +72,7 @@ class EngineStats:
             "weight_round_open": self.weight_sync.round_open,
             # How a commit switches weights: "swap" (double buffer) or "copy".
             "weight_switch": "swap" if self.weight_sync.shadow is not None else "copy",
+            **self.bf16_gap.stats(),
             **self._compiled_stats(),
             **self._step_time_stats(),
         }

@@ -19,6 +19,7 @@ _encoder = msgspec.msgpack.Encoder()
 _payload_decoders = {
     InputKind.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     InputKind.ABORT: msgspec.msgpack.Decoder(list[str]),
+    InputKind.STOP: msgspec.msgpack.Decoder(list[str]),
     InputKind.UTILITY: msgspec.msgpack.Decoder(UtilityCall),
     InputKind.SHUTDOWN: msgspec.msgpack.Decoder(None),
 }

@@ -41,7 +41,7 @@ from hotswap.model.kv_fp8 import calculate_kv_scales_on_first_step, use_fp8_kv
 from hotswap.model.loader import build_model
 from hotswap.model.packed import PackedWeight, available_bytes, can_pack
 from hotswap.model.parallel import TPGroup
-from hotswap.model.reference import refresh_references
+from hotswap.model.reference import refresh_references, serving_reference
 from hotswap.weights.double_buffer import RankShadow, ShadowWeights
 from hotswap.weights.rank_writes import RankWeights
 from hotswap.weights.residency import WeightResidency
@@ -269,7 +269,9 @@ class ModelRunner(RankWeights, RankShadow):
 
     # -- the step -------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> RunnerOutput:
+    def execute(self, plan: StepPlan, reference: bool = False) -> RunnerOutput:
+        """`reference`: run the model's bf16 reference weights instead of its FP8 ones
+        (engine/scoring.py), eagerly (the compiled and captured steps read FP8 weights)."""
         # Decode rows first, by context length: they then form contiguous attention groups;
         # with adapters, each adapter's rows next to each other (lora/layers.py segments).
         items = sorted(plan.scheduled, key=lambda s: (s.num_tokens != 1, _adapter_key(s),
@@ -279,21 +281,27 @@ class ModelRunner(RankWeights, RankShadow):
         if self.lora is not None:
             lora = self.lora.plan([(s.request.lora, s.num_tokens) for s in items])
         if self.tp.parallel:
-            self.tp.broadcast_object(("forward_batch", (batch, lora)))
-        with self._adapters(lora):
-            return self._run(items, batch, adapters=lora is not None)
+            self.tp.broadcast_object(("forward_batch", (batch, lora, reference)))
+        with self._adapters(lora), self._weights(reference):
+            return self._run(items, batch, adapters=lora is not None, eager=reference)
 
     def _adapters(self, plan: LoRAPlan | None) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.lora is None else self.lora.apply(plan)
 
-    def _run(self, items: list[ScheduledChunk], batch: StepBatch, adapters: bool) -> RunnerOutput:
+    def _weights(self, reference: bool) -> contextlib.AbstractContextManager:
+        return serving_reference(self.model) if reference else contextlib.nullcontext()
+
+    def _run(self, items: list[ScheduledChunk], batch: StepBatch, adapters: bool,
+             eager: bool = False) -> RunnerOutput:  # fmt: skip
         out = RunnerOutput()
         sampling = [s.request for s in items if s.samples]
-        logits = graph_logits(self.graphs, batch, adapters, self.routed_experts is not None)
+        logits = None
+        if not eager:
+            logits = graph_logits(self.graphs, batch, adapters, self.routed_experts is not None)
         if logits is None:
             inputs = self._inputs(batch)
             # the compiled graphs were traced without adapters: adapter steps run eagerly
-            logits = None if adapters else self._compiled_logits(items, batch, inputs)
+            logits = None if adapters or eager else self._compiled_logits(items, batch, inputs)
             if logits is not None and self.routed_experts is not None:
                 self._read_routed_experts(items, inputs, out)  # the graph set them too
         if logits is None:
@@ -335,12 +343,13 @@ class ModelRunner(RankWeights, RankShadow):
                            self.backend.reads_decode_batch)  # fmt: skip
 
     @torch.inference_mode()
-    def forward_batch(self, batch: StepBatch, lora: LoRAPlan | None = None) -> None:
+    def forward_batch(self, batch: StepBatch, lora: LoRAPlan | None = None,
+                      reference: bool = False) -> None:  # fmt: skip
         """A step on a rank other than 0: the forward and LM-head passes rank 0's `_run`
         makes for it (their collectives pair up with rank 0's), without sampling; its
-        adapters as rank 0 placed them."""
+        adapters as rank 0 placed them, its weights the ones rank 0 runs."""
         inputs = self._inputs(batch)
-        with self._adapters(lora):
+        with self._adapters(lora), self._weights(reference):
             hidden = self._forward(batch, inputs)  # images: each rank encodes its own
         rows = inputs.prompt_rows.rows
         for start in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):

@@ -50,6 +50,7 @@ from hotswap.execution.sampling_ops import (
     token_stats,
 )
 from hotswap.execution.step import SamplingRequest
+from hotswap.sampling_params import SamplingParams
 from hotswap.structured_output import GrammarMatcher, apply_bitmasks, fill_bitmasks
 
 __all__ = ["DRAW_BLOCK", "Sampler", "SamplerOutput", "SamplingBatch", "TokenLogprobs",
@@ -95,7 +96,7 @@ class SamplingBatch:
         return cls(
             requests=requests,
             random_rows=[row for row, p in enumerate(params) if not p.greedy],
-            wanted=[row for row, p in enumerate(params) if p.logprobs is not None],
+            wanted=[row for row, p in enumerate(params) if _reports_logprobs(p)],
             suppressed=[(row, ids) for row, r in enumerate(requests) if (ids := _banned_tokens(r))],
             penalized=[row for row, p in enumerate(params) if p.has_penalties],
             controlled=[row for row, p in enumerate(params) if p.has_logits_controls],
@@ -281,3 +282,9 @@ def top_logprobs(values: torch.Tensor, tokens: list[int], ks: list[int]) -> list
     stats = token_stats(values, index, max(ks, default=0))
     flat = torch.cat([t.double().flatten() for t in stats]).cpu().tolist()
     return _unpack_stats(flat, ks)
+
+
+def _reports_logprobs(params: SamplingParams) -> bool:
+    """Whether the sampled token's logprob is computed: asked for, or needed for the
+    FP8-bf16 gap of return_bf16_logprobs (engine/scoring.py)."""
+    return params.logprobs is not None or params.return_bf16_logprobs

@@ -44,8 +44,9 @@ class Fp8Config:
 
     @classmethod
     def from_hf(
-        cls, config: dict[str, Any] | None, field: str = "quantization_config"
-    ) -> Fp8Config:
+        cls, config: dict[str, Any] | None, field: str = "quantization_config",
+        keep_reference: bool = False,
+    ) -> Fp8Config:  # fmt: skip
         """From a `quantization_config` dict (None: the defaults); InvalidArgument naming
         the key for what vLLM refuses too, or what hotswap does not serve."""
         config = dict(config or {})
@@ -73,7 +74,7 @@ class Fp8Config:
             raise InvalidArgument(
                 f"{field}.ignored_layers", f"{field}.ignored_layers: must be a list of names"
             )
-        return cls(block=block, ignored_layers=tuple(ignored))
+        return cls(block=block, ignored_layers=tuple(ignored), keep_reference=keep_reference)
 
     def quantizes(self, module_name: str) -> bool:
         """Whether the linear layer `module_name` (engine or checkpoint spelling) is FP8."""

@@ -125,7 +125,7 @@ class _FakeRank(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         pass
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         aborted = [EngineCoreOutput(i, [], finish_reason="abort") for i in request_ids]
         self.on_outputs(EngineCoreOutputs(aborted))
 

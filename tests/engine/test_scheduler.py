@@ -254,3 +254,18 @@ class TestPauseStates:
         assert b.num_preemptions >= 1
         assert a.num_output_tokens == 8 and b.num_output_tokens == 8
         assert fresh.status == RequestStatus.WAITING
+
+
+def test_make_room_preempts_the_newest_until_enough_blocks_are_free() -> None:
+    sched = make_scheduler(num_blocks=12, block_size=4, budget=64)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 12, max_tokens=8, first=10 * i + 1))
+    fake_step(sched)  # each holds 3 blocks
+    assert sched.kv.num_free_blocks == 3
+    sched.make_room(8)
+    assert [r.request_id for r in sched.running] == ["r0"]  # r2, then r1, preempted
+    assert sched.kv.num_free_blocks == 9
+    assert all(r.status == RequestStatus.PREEMPTED for r in sched.waiting)
+    sched.make_room(9)  # already free: nobody else goes
+    assert len(sched.running) == 1
+    run_to_completion(sched)  # the preempted ones recompute and finish

@@ -1,29 +1,13 @@
-"""Engines that keep FP8 layers' reference weights (Fp8Config.keep_reference), before an
-engine flag sets it: `resolve_quantization` patched to ask for them."""
+"""What tests of FP8 layers' reference weights (--enable-bf16-logprobs, Fp8Config's
+keep_reference) compare: the checkpoint's values, and what each tensor-parallel rank holds."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-from typing import Any
 
-import pytest
 import torch
 
-import hotswap.engine_args as engine_args
 from hotswap.model.reference import fp8_layers
-
-
-def keep_references(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every engine started after this (in this process; its ranks get the config) keeps
-    references of its FP8 weights."""
-    resolve = engine_args.resolve_quantization
-
-    def with_references(method: str | None, hf_config: dict[str, Any]):  # noqa: ANN202
-        config = resolve(method, hf_config)
-        return None if config is None else dataclasses.replace(config, keep_reference=True)
-
-    monkeypatch.setattr(engine_args, "resolve_quantization", with_references)
 
 
 def stacked_checkpoint(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:

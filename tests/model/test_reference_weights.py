@@ -27,7 +27,7 @@ from hotswap.model.reference import fp8_layers, has_references, serving_referenc
 from hotswap.model.reference_views import REFERENCE_SWITCH, reference_view
 from hotswap.quantization.fp8 import Fp8Config, dequantize_blockwise, quantize_blockwise
 from tests.helpers.recording import record_logits
-from tests.helpers.references import keep_references, stacked_checkpoint
+from tests.helpers.references import stacked_checkpoint
 from tests.model.test_fp8 import QUANTIZED, needs_compiler
 
 PROMPTS = [[5, 9, 14, 3, 22, 7, 30, 11, 2, 19, 8, 40], [7, 2, 11], [13]]
@@ -35,11 +35,8 @@ BF16 = {"dtype": "bfloat16", "progress": False, "prepack_weights": False}
 
 
 def fp8_engine(model_dir: Path, references: bool, monkeypatch, **args) -> LLM:  # noqa: ANN001
-    if references:
-        keep_references(monkeypatch)
-    llm = LLM(str(model_dir), quantization="fp8", hf_overrides=QUANTIZED, **BF16, **args)
-    monkeypatch.undo()
-    return llm
+    return LLM(str(model_dir), quantization="fp8", hf_overrides=QUANTIZED,
+               enable_bf16_logprobs=references, **BF16, **args)  # fmt: skip
 
 
 def references_of(llm: LLM) -> dict[str, torch.Tensor]:

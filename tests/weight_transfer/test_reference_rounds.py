@@ -26,7 +26,7 @@ from hotswap.weight_transfer import (
     TensorSource,
     WeightTransferTrainerFactory,
 )
-from tests.helpers.references import keep_references, stacked_checkpoint
+from tests.helpers.references import stacked_checkpoint
 from tests.weight_transfer.conftest import free_port, trainer_model
 from tests.weight_transfer.test_fp8_rounds import BLOCK, DOWN, FP8, Q_PROJ, digest, send
 from tests.weight_transfer.test_fp8_trainer_quantized import trainer_quantized
@@ -36,14 +36,11 @@ from tests.weights.test_double_buffer import abort_round
 def engine(path: Path, monkeypatch, backend: str | None = "gloo", references: bool = True,  # noqa: ANN001
            **args) -> LLM:  # fmt: skip
     """A bf16 FP8 engine; `args` beyond LLM's are the weight-transfer config's."""
-    if references:
-        keep_references(monkeypatch)
     llm_args = {k: args.pop(k) for k in ("tensor_parallel_size", "worker_extension_cls")
                 if k in args}  # fmt: skip
     config = {"backend": backend, **args} if backend else None
     llm = LLM(str(path), dtype="bfloat16", progress=False, weight_transfer_config=config,
-              **FP8, **llm_args)  # fmt: skip
-    monkeypatch.undo()
+              enable_bf16_logprobs=references, **FP8, **llm_args)  # fmt: skip
     return llm
 
 

@@ -165,6 +165,7 @@ def _choice(
         prompt_token_ids=list(output.prompt_token_ids) if body.return_token_ids else None,
         weight_versions=weight_spans(comp.weight_versions),
         routed_experts=encode_routed_experts(comp.routed_experts),
+        bf16_logprobs=comp.bf16_logprobs,
     )
 
 
@@ -293,4 +294,5 @@ def _stream_choice(
         stop_reason=delta.stop_reason,
         token_ids=list(delta.token_ids) if ctx.body.return_token_ids else None,
         weight_versions=weight_spans(delta.weight_versions),
+        bf16_logprobs=delta.bf16_logprobs,
     )

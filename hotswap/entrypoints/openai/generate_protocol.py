@@ -92,6 +92,8 @@ class GenerateSamplingParams(RequestModel):
     trace_decode_token_ids: list[int] | None = None
     # hotswap extension (as on /v1/completions): abort instead of straddling more commits
     max_weight_lag: NonNegInt64 | None = None
+    # hotswap extension (as on /v1/completions; --enable-bf16-logprobs)
+    return_bf16_logprobs: bool = False
 
 
 class ReasoningParserKwargs(CheckedModel):
@@ -207,6 +209,8 @@ class GenerateChoice(BaseModel):
     routed_experts: str | None = None
     sampling_mask: list[list[int]] | None = None
     weight_versions: list[GenerateWeightSpan] | None = None
+    # return_bf16_logprobs, on the final choice; left out while unset (vLLM has no such key)
+    bf16_logprobs: list[float] | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class GenerateTokensChoice(GenerateChoice):

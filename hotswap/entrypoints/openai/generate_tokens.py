@@ -183,6 +183,7 @@ def _choice(
         "token_ids": list(comp.token_ids),
         "weight_versions": spans,
         "routed_experts": encode_routed_experts(comp.routed_experts),  # on the final output
+        "bf16_logprobs": comp.bf16_logprobs,
     }
     if ctx.text_mode:
         return GenerateTextChoice(text=comp.text, logprobs=_text_logprobs(ctx, comp), **common)

@@ -146,6 +146,8 @@ class SamplingRequest(RequestModel):
     return_tokens_as_token_ids: bool = False
     request_id: Annotated[str, Field(min_length=1, max_length=512)] | None = None
     max_weight_lag: NonNegInt64 | None = None
+    # with --enable-bf16-logprobs: each output token's logprob under the bf16 weights
+    return_bf16_logprobs: bool = False
     # vLLM's extensions; ranges are SamplingParams' (400 naming the field)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -79,7 +79,7 @@ class PromptLogprob(ResponseModel):
 class CompletionChoice(ResponseModel):
     """A choice of a completion response, or of one stream chunk."""
 
-    omit_if_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs"})
+    omit_if_none = frozenset({"token_ids", "prompt_token_ids", "prompt_logprobs", "bf16_logprobs"})
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -90,6 +90,9 @@ class CompletionChoice(ResponseModel):
     prompt_token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
     routed_experts: str | None = None  # encode_routed_experts; null: none (as vLLM)
+    # return_bf16_logprobs (hotswap): on the final output, each output token's raw logprob
+    # under the bf16 weights of an FP8 engine (engine/scoring.py)
+    bf16_logprobs: list[float] | None = None
 
 
 class CompletionStreamChoice(CompletionChoice):
@@ -146,7 +149,7 @@ class DeltaMessage(ResponseModel):
 
 
 class ChatChoice(ResponseModel):
-    omit_if_none = frozenset({"token_ids"})
+    omit_if_none = frozenset({"token_ids", "bf16_logprobs"})
     index: int
     message: ChatMessage
     logprobs: ChatChoiceLogProbs | None = None
@@ -155,6 +158,9 @@ class ChatChoice(ResponseModel):
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
     routed_experts: str | None = None  # encode_routed_experts
+    # return_bf16_logprobs (hotswap): on the final output, each output token's raw logprob
+    # under the bf16 weights of an FP8 engine (engine/scoring.py)
+    bf16_logprobs: list[float] | None = None
 
 
 def encode_routed_experts(rows: np.ndarray | None) -> str | None:
@@ -184,7 +190,7 @@ def sglext_of(body: Any, final: RequestOutput) -> dict[str, Any] | None:
 
 
 class ChatStreamChoice(ResponseModel):
-    omit_if_none = frozenset({"token_ids"})
+    omit_if_none = frozenset({"token_ids", "bf16_logprobs"})
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogProbs | None = None
@@ -192,6 +198,7 @@ class ChatStreamChoice(ResponseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     weight_versions: list[WeightVersionSpanInfo] = Field(default_factory=list)
+    bf16_logprobs: list[float] | None = None  # on the final chunk (ChatChoice's)
 
 
 class ChatCompletionResponse(ResponseModel):

@@ -58,7 +58,15 @@ _COUNTERS = (
         "Requests whose session's rank was overloaded: spilled, the session moved.",
     ),
     ("hotswap:dp_prefix_hits", "dp_prefix_hits", "Requests sent to the rank caching their prefix."),
-)
+    # return_bf16_logprobs (engine/scoring.py): the FP8-bf16 gap; mean |gap| = the ratio
+    # of the first two's rates
+    ("hotswap:bf16_scored_tokens", "bf16_scored_tokens",
+     "Sampled tokens scored with the bf16 weights (return_bf16_logprobs)."),
+    ("hotswap:bf16_logprob_abs_diff", "bf16_logprob_abs_diff_sum",
+     "Sum over scored tokens of |sampled logprob - bf16 logprob|."),
+    ("hotswap:bf16_tis_clipped_tokens", "bf16_tis_clipped_tokens",
+     "Scored tokens whose importance weight exp(bf16 - sampled logprob) exceeds 2."),
+)  # fmt: skip
 # One series per data-parallel rank: (family, name, help, the stats key of its list).
 _PER_RANK = (
     (CounterMetricFamily, "hotswap:dp_routed_requests",

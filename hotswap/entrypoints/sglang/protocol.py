@@ -86,6 +86,9 @@ class GenerateRequest(RequestModel):
     # bool or one per prompt: meta_info.routed_experts (--enable-return-routed-experts)
     return_routed_experts: Any = None
     routed_experts_start_len: Any = None  # the first position returned (with the above)
+    # hotswap (--enable-bf16-logprobs): meta_info.bf16_logprobs, each output token's
+    # logprob under the bf16 weights of an FP8 engine
+    return_bf16_logprobs: bool = False
     # Data-parallel routing (server/routing.py): a session key, an explicit rank (newer
     # name first); one, or one per prompt
     routing_key: Any = None

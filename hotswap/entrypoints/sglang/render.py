@@ -84,6 +84,7 @@ class ItemState:
     top_logprobs: list[list[list[Any]] | None] = field(default_factory=list)
     spans: list[WeightVersionSpan] = field(default_factory=list)
     routed_experts: np.ndarray | None = None  # on the final output
+    bf16_logprobs: list[float] | None = None  # return_bf16_logprobs, on the final output
     label: str | None = None  # of the weights behind the latest token, returned or not
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -108,7 +109,7 @@ class ItemState:
         if not self.job.prefill_only:
             self._add_tokens(delta)
         if delta.finish_reason is not None:
-            self.routed_experts = delta.routed_experts
+            self.routed_experts, self.bf16_logprobs = delta.routed_experts, delta.bf16_logprobs
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.latency = time.monotonic() - self.started
             if self._trims_stop_token():
@@ -195,6 +196,8 @@ class ItemState:
                 meta["output_top_logprobs"] = self.top_logprobs
         if self.job.routed_experts and self.routed_experts is not None:
             meta["routed_experts"] = sglang_routed_experts(self.routed_experts)
+        if self.bf16_logprobs is not None:
+            meta["bf16_logprobs"] = self.bf16_logprobs
         if self.latency is not None:
             meta["e2e_latency"] = self.latency
         return meta

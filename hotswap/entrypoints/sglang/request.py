@@ -66,6 +66,7 @@ async def plan_jobs(
         if routed[i] is not None:
             jobs[-1].routed_experts = True
             jobs[-1].params.routed_experts_prompt_start = routed[i]
+        jobs[-1].params.return_bf16_logprobs = body.return_bf16_logprobs
     structured = get_server_config(request).structured_outputs  # the server's defaults
     for job in jobs:
         structured.apply(job.params.structured_outputs)
