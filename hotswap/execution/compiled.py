@@ -24,17 +24,34 @@ Dynamo replays that store after the graph runs, so the runner reads them as afte
 eager step.
 
 Parameters and the KV caches are graph inputs, not constants: weight updates, swaps and
-a re-allocated cache are seen as they are. A step the graphs cannot take (prefill chunks,
-larger batches, a shape they were not compiled for) runs eagerly; `--enforce-eager`, a
-batch-invariant engine, torch's own `TORCH_COMPILE_DISABLE=1`, or a failed compile run every
-step eagerly, with the same results up to float rounding. A failed compile says so in one
+a re-allocated cache are seen as they are.
+
+Dynamo checks guards before each call to pick a graph. Those on the model's Python state
+(every module's attributes, the kernels object its modules share, each parameter's
+properties: about 10,000 checks, many of them object-identity checks in Python) cost
+0.8-1.2 ms per step on the default model, an eighth of an FP8 decode step. Only the guards
+on the step's inputs and the global state are kept (`_input_guards`; which of the two
+graphs a step takes, and whether its shapes are in range, is read from them alone), as
+vLLM drops its graphs' guards; each engine's graphs hang on a code object of their own, so
+no engine's step takes another's graph. That is safe because the model's Python state is
+fixed once the graphs are compiled: what changes between steps is a graph input
+(parameters, KV caches, LoRA slots: read anew at every call), or sends the step down the
+eager path before a graph is called (a step with adapters; the reference weights,
+`__call__`; `--calculate-kv-scales`, whose scales are host floats, never compiles decode).
+
+A step the graphs cannot take (prefill chunks, larger batches, a shape they were not
+compiled for) runs eagerly; `--enforce-eager`, a batch-invariant engine, torch's own
+`TORCH_COMPILE_DISABLE=1`, or a failed compile run every step eagerly, with the same
+results up to float rounding. A failed compile says so in one
 warning line (torch's own traceback of the guard it could not create is left out).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import types
 from collections.abc import Callable, Iterator
 
 import torch
@@ -43,6 +60,7 @@ from tqdm import tqdm
 
 from hotswap.model.attention import AttentionMetadata, build_metadata
 from hotswap.model.layers import MATVEC_MAX_ROWS
+from hotswap.model.reference_views import REFERENCE_SWITCH
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +68,6 @@ MAX_ROWS = MATVEC_MAX_ROWS  # beyond it the GEMMs dominate and Python costs litt
 # Block-table widths every engine's graphs take (1M tokens of context at block size 16);
 # a longer max_model_len widens the range, under a key of its own.
 MAX_BLOCK_COLUMNS = 1 << 16
-_RECOMPILE_LIMIT = 256  # graphs of one process's engines together (two per engine)
 
 
 def compilation_available() -> bool:
@@ -66,8 +83,13 @@ class CompiledDecode:
         self.max_blocks = max(MAX_BLOCK_COLUMNS, -(-max_model_len // block_size))
         self.compiled_steps = 0  # decode steps the graphs ran
         self.eager_steps = 0  # decode steps they would have had to recompile for
+        # this engine's own copy of `_logits`: Dynamo keeps graphs per code object, and
+        # their guards no longer tell one engine's model from another's (module doc)
+        logits = types.MethodType(_own_code(CompiledDecode._logits), self)
         self._graph: Callable[..., torch.Tensor] = torch.compile(
-            self._logits, fullgraph=True, options={"cpp_wrapper": True}
+            logits,
+            fullgraph=True,
+            options={"cpp_wrapper": True, "guard_filter_fn": _input_guards},
         )
 
     def _logits(
@@ -84,6 +106,8 @@ class CompiledDecode:
     ) -> torch.Tensor:
         """Logits of every row (each samples). Raises RuntimeError rather than compile:
         the caller runs the step eagerly then."""
+        if REFERENCE_SWITCH.active:  # state no guard checks (module doc)
+            raise RuntimeError("compiled decode: the graphs read FP8 codes, not references")
         _mark_dynamic(input_ids, positions, meta, self.max_blocks)
         with torch.compiler.set_stance("fail_on_recompile"):
             return self._graph(input_ids, positions, meta)
@@ -96,11 +120,7 @@ class CompiledDecode:
         bar = tqdm(total=2, desc=desc, disable=not progress, leave=False)
         tag = cache_tag(self.max_blocks)
         try:
-            # Dynamo keeps every engine's graphs on the one code object (`_logits`), whose
-            # entries it counts against recompile_limit (8): the limit is per process, the
-            # graphs are per engine, so engines past the fourth would not compile
-            with (torch.compiler.config.patch(cache_key_tag=tag), _without_guard_tracebacks(),
-                  torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT)):  # fmt: skip
+            with torch.compiler.config.patch(cache_key_tag=tag), _without_guard_tracebacks():
                 self._compile_both(bar)
         except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op: run eagerly
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
@@ -121,6 +141,27 @@ class CompiledDecode:
             _mark_dynamic(ids, positions, meta, self.max_blocks)
             self._graph(ids, positions, meta)
             bar.update(1)
+
+
+_ENGINES = itertools.count()
+
+
+def _own_code(function: Callable) -> Callable:
+    """A copy of `function` with a code object of its own (named apart)."""
+    name = f"{function.__name__}_{next(_ENGINES)}"
+    code = function.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, function.__globals__, name, function.__defaults__,
+                              function.__closure__)  # fmt: skip
+
+
+# What a compiled step's inputs are named in Dynamo's guards (`_logits`' arguments).
+_INPUTS = frozenset({"input_ids", "positions", "meta"})
+
+
+def _input_guards(entries: list) -> list[bool]:  # torch._dynamo.types.GuardFilterEntry
+    """Which guards a graph keeps: those on its inputs, and the global state's (grad
+    mode, default device, ...: unnamed). See the module doc."""
+    return [not e.name or e.name.split(".")[0].split("[")[0] in _INPUTS for e in entries]
 
 
 def cache_tag(max_blocks: int) -> str:

@@ -34,7 +34,7 @@ PROMPTS = [[5, 9, 14, 3, 22, 7, 30, 11, 2, 19, 8, 40], [7, 2, 11], [13]]
 BF16 = {"dtype": "bfloat16", "progress": False, "prepack_weights": False}
 
 
-def fp8_engine(model_dir: Path, references: bool, monkeypatch, **args) -> LLM:  # noqa: ANN001
+def fp8_engine(model_dir: Path, references: bool, **args) -> LLM:  # noqa: ANN001
     return LLM(str(model_dir), quantization="fp8", hf_overrides=QUANTIZED,
                enable_bf16_logprobs=references, **BF16, **args)  # fmt: skip
 
@@ -54,9 +54,9 @@ def greedy(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
 @pytest.mark.parametrize(
     "arch", ["llama"] + [pytest.param(a, marks=pytest.mark.slow) for a in ("qwen2", "qwen3_moe")]
 )
-def test_references_are_the_checkpoint(arch, tiny_model_factory, monkeypatch) -> None:  # noqa: ANN001
+def test_references_are_the_checkpoint(arch, tiny_model_factory) -> None:  # noqa: ANN001
     model_dir = tiny_model_factory(arch)
-    llm = fp8_engine(model_dir, True, monkeypatch)
+    llm = fp8_engine(model_dir, True)
     weights = load_file(model_dir / "model.safetensors")
     model = llm.engine.runner.model
     assert has_references(model)
@@ -67,7 +67,7 @@ def test_references_are_the_checkpoint(arch, tiny_model_factory, monkeypatch) ->
         assert torch.equal(reference, stacked_checkpoint(weights, name).bfloat16()), name
     parameters = {p.data_ptr() for p in model.parameters()}
     assert not any(r.data_ptr() in parameters for r in refs.values())
-    plain = fp8_engine(model_dir, False, monkeypatch)
+    plain = fp8_engine(model_dir, False)
     assert not has_references(plain.engine.runner.model)
     assert llm.get_weight_info()["digest"] == plain.get_weight_info()["digest"]
 
@@ -78,10 +78,10 @@ def test_references_are_the_checkpoint(arch, tiny_model_factory, monkeypatch) ->
                          for a, k in [("llama", False), ("qwen3_moe", True), ("qwen3_moe", False)]],
 )  # fmt: skip
 def test_serving_reference_gives_a_bf16_engines_logits(
-    arch, cpu_kernels, tiny_model_factory, monkeypatch
+    arch, cpu_kernels, tiny_model_factory
 ) -> None:  # noqa: ANN001
     model_dir = tiny_model_factory(arch)
-    llm = fp8_engine(model_dir, True, monkeypatch, cpu_kernels=cpu_kernels)
+    llm = fp8_engine(model_dir, True, cpu_kernels=cpu_kernels)
     model = llm.engine.runner.model
     with serving_reference(model):
         assert REFERENCE_SWITCH.active == 1
@@ -94,7 +94,7 @@ def test_serving_reference_gives_a_bf16_engines_logits(
         assert torch.equal(got, want)  # the same products over the same bf16 weights
     # outside: the FP8 engine's own logits, as one without references gives them
     fp8_tokens, fp8_logits = greedy(llm)
-    plain_tokens, plain_logits = greedy(fp8_engine(model_dir, False, monkeypatch,
+    plain_tokens, plain_logits = greedy(fp8_engine(model_dir, False,
                                                    cpu_kernels=cpu_kernels))  # fmt: skip
     assert fp8_tokens == plain_tokens
     assert all(torch.equal(a, b) for a, b in zip(fp8_logits, plain_logits, strict=True))
@@ -103,7 +103,7 @@ def test_serving_reference_gives_a_bf16_engines_logits(
 
 @pytest.mark.slow
 def test_an_fp8_checkpoints_references_are_its_dequantized_weights(
-    tiny_model_factory, tmp_path, monkeypatch
+    tiny_model_factory, tmp_path
 ) -> None:  # noqa: ANN001
     source = tiny_model_factory("llama")
     weights = load_file(source / "model.safetensors")
@@ -119,7 +119,7 @@ def test_an_fp8_checkpoints_references_are_its_dequantized_weights(
     config = json.loads((fp8_dir / "config.json").read_text())
     config["quantization_config"] = QUANTIZED["quantization_config"]
     (fp8_dir / "config.json").write_text(json.dumps(config))
-    llm = fp8_engine(fp8_dir, True, monkeypatch)
+    llm = fp8_engine(fp8_dir, True)
     for name, reference in references_of(llm).items():
         assert torch.equal(reference, stacked_checkpoint(dequantized, name)), name
 
@@ -214,13 +214,13 @@ def test_fp8_experts_serving_references_run_as_bf16_experts(fused) -> None:  # n
 
 
 @pytest.mark.slow
-def test_compiled_decode_steps_keep_their_graphs(tiny_model_factory, monkeypatch) -> None:  # noqa: ANN001
+def test_compiled_decode_steps_keep_their_graphs(tiny_model_factory) -> None:  # noqa: ANN001
     """The switch is one module-level value the graphs guard on: outside serving_reference
     every decode step runs compiled (none recompiles), before and after a reference pass;
     inside, the graphs refuse (the step runs eagerly over the references)."""
     model_dir = tiny_model_factory("llama")
     with torch._dynamo.config.patch(disable=False):
-        llm = fp8_engine(model_dir, True, monkeypatch)
+        llm = fp8_engine(model_dir, True)
         stats = llm.engine.stats.get_stats
         assert stats()["compiled_decode"]
         tokens, logits = greedy(llm)

@@ -33,7 +33,7 @@ from tests.weight_transfer.test_fp8_trainer_quantized import trainer_quantized
 from tests.weights.test_double_buffer import abort_round
 
 
-def engine(path: Path, monkeypatch, backend: str | None = "gloo", references: bool = True,  # noqa: ANN001
+def engine(path: Path, backend: str | None = "gloo", references: bool = True,  # noqa: ANN001
            **args) -> LLM:  # fmt: skip
     """A bf16 FP8 engine; `args` beyond LLM's are the weight-transfer config's."""
     llm_args = {k: args.pop(k) for k in ("tensor_parallel_size", "worker_extension_cls")
@@ -57,10 +57,10 @@ def checkpoint_of(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
 
 
-def test_a_bf16_round_sets_the_references_to_what_it_sent(v1_dir, v2_dir, monkeypatch) -> None:  # noqa: ANN001
+def test_a_bf16_round_sets_the_references_to_what_it_sent(v1_dir, v2_dir) -> None:  # noqa: ANN001
     bf16 = trainer_model(v2_dir, torch.bfloat16)
     sent = {name: p.detach() for name, p in bf16.named_parameters()}
-    llm, plain = engine(v1_dir, monkeypatch), engine(v1_dir, monkeypatch, references=False)
+    llm, plain = engine(v1_dir), engine(v1_dir, references=False)
     check_references(llm, checkpoint_of(v1_dir))
     for target in (llm, plain):
         send(target, ModuleSource(bf16))
@@ -69,9 +69,9 @@ def test_a_bf16_round_sets_the_references_to_what_it_sent(v1_dir, v2_dir, monkey
 
 
 @pytest.mark.slow
-def test_a_partial_round_sets_only_the_references_it_sends(v1_dir, v2_dir, monkeypatch) -> None:  # noqa: ANN001
+def test_a_partial_round_sets_only_the_references_it_sends(v1_dir, v2_dir) -> None:  # noqa: ANN001
     v1, v2 = checkpoint_of(v1_dir), checkpoint_of(v2_dir)
-    llm, plain = engine(v1_dir, monkeypatch), engine(v1_dir, monkeypatch, references=False)
+    llm, plain = engine(v1_dir), engine(v1_dir, references=False)
     for target in (llm, plain):
         send(target, TensorSource([(Q_PROJ, v2[Q_PROJ]), (DOWN, v2[DOWN])]))
     check_references(llm, {**v1, Q_PROJ: v2[Q_PROJ], DOWN: v2[DOWN]})  # q rows of qkv only
@@ -80,10 +80,10 @@ def test_a_partial_round_sets_only_the_references_it_sends(v1_dir, v2_dir, monke
 
 @pytest.mark.slow
 @pytest.mark.parametrize("double_buffer", [False, True], ids=["copy", "swap"])
-def test_a_sparse_delta_sets_the_values_it_sends(double_buffer, v1_dir, monkeypatch) -> None:  # noqa: ANN001
+def test_a_sparse_delta_sets_the_values_it_sends(double_buffer, v1_dir) -> None:  # noqa: ANN001
     """The reference takes the values (as a bf16 engine scatters them), not the
     requantized blocks the codes hold."""
-    llm, plain = (engine(v1_dir, monkeypatch, "sparse", references=r, double_buffer=double_buffer)
+    llm, plain = (engine(v1_dir, "sparse", references=r, double_buffer=double_buffer)
                   for r in (True, False))  # fmt: skip
     indices = torch.tensor([3, 64 * 20 + 7, 64 * 20 + 8])
     values = torch.tensor([0.5, -0.25, 0.123456])  # the last one is no bf16 number
@@ -99,13 +99,13 @@ def test_a_sparse_delta_sets_the_values_it_sends(double_buffer, v1_dir, monkeypa
 
 
 @pytest.mark.slow
-def test_double_buffered_rounds_swap_the_references_in(v1_dir, v2_dir, monkeypatch) -> None:  # noqa: ANN001
+def test_double_buffered_rounds_swap_the_references_in(v1_dir, v2_dir) -> None:  # noqa: ANN001
     """Written into the shadow's references while the live ones serve, swapped in at the
     commit; an aborted round changes none; a partial round after a swap takes the other
     rows from the live references, not the shadow's older ones."""
     v1, v2 = checkpoint_of(v1_dir), checkpoint_of(v2_dir)
-    llm = engine(v1_dir, monkeypatch, "ipc", double_buffer=True)
-    plain = engine(v1_dir, monkeypatch, "ipc", references=False, double_buffer=True)
+    llm = engine(v1_dir, "ipc", double_buffer=True)
+    plain = engine(v1_dir, "ipc", references=False, double_buffer=True)
     model = llm.engine.runner.model
     live = {name: layer.fp8.reference for name, layer in fp8_layers(model)}
     abort_round(llm, TensorSource(list(v2.items())))
@@ -125,13 +125,13 @@ def test_double_buffered_rounds_swap_the_references_in(v1_dir, v2_dir, monkeypat
     "double_buffer", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["copy", "swap"]
 )
 def test_a_trainer_quantized_round_sets_the_dequantized_weights(
-    double_buffer, v1_dir, v2_dir, monkeypatch
+    double_buffer, v1_dir, v2_dir
 ) -> None:  # noqa: ANN001
     """Codes and scales come apart (separate tensors); the references are derived at the
     commit. A double-buffered round aborted first leaves them as they were."""
     v1, v2 = checkpoint_of(v1_dir), checkpoint_of(v2_dir)
-    llm = engine(v1_dir, monkeypatch, "ipc", double_buffer=double_buffer)
-    plain = engine(v1_dir, monkeypatch, "ipc", references=False, double_buffer=double_buffer)
+    llm = engine(v1_dir, "ipc", double_buffer=double_buffer)
+    plain = engine(v1_dir, "ipc", references=False, double_buffer=double_buffer)
     sent = dict(trainer_quantized(v2))
     if double_buffer:
         abort_round(llm, TensorSource(list(sent.items())))
@@ -155,13 +155,13 @@ def moe_dirs(tiny_model_factory) -> tuple[Path, Path]:  # noqa: ANN001
 
 @pytest.mark.slow
 @pytest.mark.parametrize("double_buffer", [False, True], ids=["copy", "swap"])
-def test_rounds_of_experts_set_their_references(double_buffer, moe_dirs, monkeypatch) -> None:  # noqa: ANN001
+def test_rounds_of_experts_set_their_references(double_buffer, moe_dirs) -> None:  # noqa: ANN001
     """transformers 5's stacked experts whole, then one expert's gate rows and a sparse
     delta on another's down_proj (per-expert names)."""
     v1_dir, v2_dir = moe_dirs
     v1, v2 = checkpoint_of(v1_dir), checkpoint_of(v2_dir)
-    llm = engine(v1_dir, monkeypatch, "ipc", double_buffer=double_buffer)
-    plain = engine(v1_dir, monkeypatch, "ipc", references=False, double_buffer=double_buffer)
+    llm = engine(v1_dir, "ipc", double_buffer=double_buffer)
+    plain = engine(v1_dir, "ipc", references=False, double_buffer=double_buffer)
     stacked = trainer_model(v2_dir, torch.bfloat16)
     assert any(n.endswith("mlp.experts.gate_up_proj") for n, _ in stacked.named_parameters())
     for target in (llm, plain):
@@ -175,11 +175,11 @@ def test_rounds_of_experts_set_their_references(double_buffer, moe_dirs, monkeyp
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_hold_a_bf16_engines_shares(v1_dir, v2_dir, monkeypatch) -> None:  # noqa: ANN001
+def test_tensor_parallel_ranks_hold_a_bf16_engines_shares(v1_dir, v2_dir) -> None:  # noqa: ANN001
     """Each rank quantizes its share and keeps it as sent: its references are the
     parameters a bf16 engine's same rank holds."""
     probe = "tests.helpers.references:ReferenceProbe"
-    two = engine(v1_dir, monkeypatch, "ipc", tensor_parallel_size=2, worker_extension_cls=probe)
+    two = engine(v1_dir, "ipc", tensor_parallel_size=2, worker_extension_cls=probe)
     send(two, TensorSource(list(checkpoint_of(v2_dir).items())), "ipc")
     got = two.collective_rpc("reference_hashes")
     two.shutdown()
