@@ -5,7 +5,9 @@ For each model: decode throughput at 1 request and at 64, a whole weight round f
 bf16 trainer (IPC, in process) into each engine, and, on the real default model, how far
 FP8's policy is from bf16's: bf16's greedy continuations scored by the FP8 engine
 (teacher-forced, through prompt logprobs), giving the rate at which FP8's top token is
-bf16's and the mean |Δ logprob| of bf16's tokens.
+bf16's and the mean |Δ logprob| of bf16's tokens; and what `return_bf16_logprobs` costs
+(`--enable-bf16-logprobs`: the bf16 scoring pass at each request's finish) and measures
+on FP8's own samples.
 
     python benchmarks/quantized.py [--models default llama-1b] [--repeats 2] [--json FILE]
 
@@ -186,6 +188,38 @@ def scored(args: argparse.Namespace) -> None:
     print(json.dumps({**rates, "positions": len(agree)}))
 
 
+def scoring(args: argparse.Namespace) -> None:
+    """return_bf16_logprobs on the default model: FP8's own samples (temperature 1, 12
+    prompts x 64 tokens) with and without the bf16 scoring pass, alternating, best of 3;
+    the gap between the sampled and the bf16 logprobs of those tokens; the references'
+    memory."""
+    from hotswap import LLM, SamplingParams
+    from hotswap.model.reference import reference_tensors
+
+    path, _ = model_dir("default")
+    llm = LLM(path, dtype="bfloat16", progress=False, quantization="fp8",
+              enable_bf16_logprobs=True)  # fmt: skip
+    prompts = [f"Write a short note about topic number {i}." for i in range(12)]
+    times: dict[bool, float] = {}
+    for _ in range(3):
+        for asked in (False, True):
+            params = SamplingParams(max_tokens=64, seed=7, logprobs=0, ignore_eos=True,
+                                    return_bf16_logprobs=asked)  # fmt: skip
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            times[asked] = min(times.get(asked, 1e9), time.perf_counter() - start)
+    done = [o.outputs[0] for o in outs]
+    gaps = [abs(d[t].logprob - b) for c in done
+            for d, t, b in zip(c.logprobs, c.token_ids, c.bf16_logprobs, strict=True)]  # fmt: skip
+    refs = reference_tensors(llm.engine.runner.model).values()
+    print(json.dumps({
+        "generate_s": times[False], "generate_and_score_s": times[True],
+        "scoring_overhead": times[True] / times[False] - 1,
+        "mean_abs_gap_fp8_samples": sum(gaps) / len(gaps), "tokens": len(gaps),
+        "reference_mib": sum(t.numel() * t.element_size() for t in refs) / 2**20,
+    }))  # fmt: skip
+
+
 def run(*argv: str) -> dict:
     cmd = [sys.executable, __file__, *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -206,12 +240,15 @@ def main() -> None:
     parser.add_argument("--kv-worker", metavar="MODE", help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--scored", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scoring", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         args.model, args.mode = args.worker
         return worker(args)
     if args.scored:
         return scored(args)
+    if args.scoring:
+        return scoring(args)
     if args.kv_worker:
         args.mode = args.kv_worker
         return kv_worker(args)
@@ -232,6 +269,8 @@ def main() -> None:
     if "default" in args.models and "weights" in args.sections:
         rows["fidelity"] = run("--scored")
         print("fidelity", json.dumps(rows["fidelity"]))
+        rows["bf16_scoring"] = run("--scoring")
+        print("bf16 scoring", json.dumps(rows["bf16_scoring"]))
     if "kv" in args.sections:
         rows["kv_cache"] = kv_section(args)
     if args.json:

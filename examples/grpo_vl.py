@@ -302,6 +302,9 @@ class VLGRPO(GRPO):
                 n=self.args.group_size, temperature=self.args.temperature, top_p=1.0,
                 top_k=0, max_tokens=self.args.max_tokens, logprobs=0,
                 seed=self.seeds.randrange(1 << 31),  # the group's samples: seed, seed + 1, ...
+                # never the image placeholder: the trainer would read it as an image slot
+                # (the tiny random policy can sample any id; a trained one never does)
+                logit_bias={self.trainer.image_token: -100.0},
             )
             for _ in pictures
         ]  # fmt: skip

@@ -68,6 +68,7 @@ _COPIED = (
     "bad_words",
     "structured_outputs",
     "routed_experts_prompt_start",
+    "return_bf16_logprobs",
 )
 
 

@@ -261,6 +261,7 @@ def sampling_params(
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             routed_experts_prompt_start=routed_experts_start(body),
+            return_bf16_logprobs=body.return_bf16_logprobs,
             logit_bias=logit_bias_of(body),
             allowed_token_ids=body.allowed_token_ids,
             bad_words=body.bad_words or None,

@@ -65,7 +65,6 @@ SHARED_FIELDS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "max_weight_lag",
-    "return_bf16_logprobs",
 )
 # `"stop": ""` (or []) is no stop string, as null is, where the field is copied from the
 # body (an empty string would otherwise be refused as an empty stop string).
