@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hotswap.engine.request import Request
@@ -150,25 +151,50 @@ class Bf16Scorer:
         self.gap = Bf16Gap()
 
     def score(self, requests: list[Request]) -> None:
-        """Set each request's `bf16_logprobs`, one request's blocks at a time."""
-        for request in requests:
-            if request.num_output_tokens:
-                request.bf16_logprobs = self._score_one(request)
+        """Set each request's `bf16_logprobs`: requests finished together are scored in
+        one pass, as many as the step's token budget and the KV cache hold."""
+        for group in self._groups([r for r in requests if r.num_output_tokens]):
+            for request, logprobs in zip(group, self._score_group(group), strict=True):
+                request.bf16_logprobs = logprobs
                 if self.raw:
-                    self.gap.record(request.sampled_logprobs, request.bf16_logprobs)
+                    self.gap.record(request.sampled_logprobs, logprobs)
 
-    def _score_one(self, request: Request) -> list[float]:
+    def _groups(self, requests: list[Request]) -> Iterator[list[Request]]:
+        """Consecutive requests whose tokens fit the budget and whose blocks fit the
+        cache together (a request alone may exceed the budget: it runs in chunks)."""
+        kv, group, tokens, blocks = self.scheduler.kv, [], 0, 0
+        for request in requests:
+            count = request.num_tokens - 1
+            need = kv.blocks_needed(count)
+            if group and (tokens + count > self.token_budget
+                          or blocks + need > kv.pool.num_blocks):  # fmt: skip
+                yield group
+                group, tokens, blocks = [], 0, 0
+            group.append(request)
+            tokens, blocks = tokens + count, blocks + need
+        if group:
+            yield group
+
+    def _score_group(self, group: list[Request]) -> list[list[float]]:
         kv = self.scheduler.kv
-        num_blocks = kv.blocks_needed(request.num_tokens - 1)
-        self.scheduler.make_room(num_blocks)
-        scoring = ScoringRequest(request, kv.pool.allocate(num_blocks))
+        needs = [kv.blocks_needed(r.num_tokens - 1) for r in group]
+        self.scheduler.make_room(sum(needs))
+        scorings = [ScoringRequest(r, kv.pool.allocate(n)) for r, n in zip(group, needs)]
         try:
-            start = 0
-            while start < scoring.num_to_compute:
-                count = min(self.token_budget, scoring.num_to_compute - start)
-                result = self.runner.execute(_Plan([_Chunk(scoring, start, count)]), reference=True)
-                scoring.prompt_logprobs.extend(result.prompt_logprobs.get(scoring.request_id, []))
-                start += count
+            done = {s.request_id: 0 for s in scorings}  # tokens computed, per request
+            while any(done[s.request_id] < s.num_to_compute for s in scorings):
+                chunks, budget = [], self.token_budget
+                for s in scorings:
+                    count = min(budget, s.num_to_compute - done[s.request_id])
+                    if count > 0:
+                        chunks.append(_Chunk(s, done[s.request_id], count))
+                        budget -= count
+                result = self.runner.execute(_Plan(chunks), reference=True)
+                for chunk in chunks:
+                    scored = result.prompt_logprobs.get(chunk.request.request_id, [])
+                    chunk.request.prompt_logprobs.extend(scored)
+                    done[chunk.request.request_id] += chunk.num_tokens
         finally:
-            kv.pool.free(scoring.block_ids[::-1])
-        return scoring.token_logprobs()
+            for s in scorings:
+                kv.pool.free(s.block_ids[::-1])
+        return [s.token_logprobs() for s in scorings]
