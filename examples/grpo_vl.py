@@ -178,15 +178,19 @@ class VLEngine(InProcessEngine):
 
 
 async def rollout_batch(
-    engine: VLEngine, pictures: list[Picture], params: list[SamplingParams]
+    engine: VLEngine, pictures: list[Picture], params: list[SamplingParams], image_token: int
 ) -> tuple[list[Sample], float]:
-    """Every group of the step at once; (samples with GRPO advantages, seconds)."""
+    """Every group of the step at once; (samples with GRPO advantages, seconds). A
+    completion holding the image placeholder (the tiny random policy may sample any id; a
+    trained one never does) is dropped: the trainer would read it as an image slot."""
     start = asyncio.get_running_loop().time()
     groups = await asyncio.gather(*(engine.ask(p.image, sp) for p, sp in zip(pictures, params)))
     samples: list[Sample] = []
     for picture, (prompt_ids, group) in zip(pictures, groups):
         batch = [ImageSample(prompt_ids, c, reward(c.text, picture.colour), picture=picture)
-                 for c in group]  # fmt: skip
+                 for c in group if image_token not in c.token_ids]  # fmt: skip
+        if not batch:
+            continue
         rewards = torch.tensor([s.reward for s in batch])
         advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
         for sample, advantage in zip(batch, advantages.tolist()):
@@ -302,13 +306,11 @@ class VLGRPO(GRPO):
                 n=self.args.group_size, temperature=self.args.temperature, top_p=1.0,
                 top_k=0, max_tokens=self.args.max_tokens, logprobs=0,
                 seed=self.seeds.randrange(1 << 31),  # the group's samples: seed, seed + 1, ...
-                # never the image placeholder: the trainer would read it as an image slot
-                # (the tiny random policy can sample any id; a trained one never does)
-                logit_bias={self.trainer.image_token: -100.0},
             )
             for _ in pictures
         ]  # fmt: skip
-        return self.loop.submit(rollout_batch(self.engine, pictures, params))
+        image = self.trainer.image_token
+        return self.loop.submit(rollout_batch(self.engine, pictures, params, image))
 
 
 def warm_up(args: argparse.Namespace, loop: LoopThread, engine: VLEngine, trainer: VLTrainer,
