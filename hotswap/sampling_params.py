@@ -180,6 +180,12 @@ class SamplingParams:
                 name,
                 f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}",
             )
+        self._validate_returns()
+        self._validate_penalties()
+        self._validate_logits_controls()
+
+    def _validate_returns(self) -> None:
+        """What a request asks returned beside its tokens."""
         _require(
             _is_int(self.routed_experts_prompt_start) and self.routed_experts_prompt_start >= 0,
             "routed_experts_prompt_start",
@@ -190,8 +196,6 @@ class SamplingParams:
             "return_bf16_logprobs",
             f"must be a boolean, got {self.return_bf16_logprobs!r}",
         )
-        self._validate_penalties()
-        self._validate_logits_controls()
 
     def _validate_logits_controls(self) -> None:
         bias = self.logit_bias

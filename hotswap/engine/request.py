@@ -56,10 +56,8 @@ class Request:
         images: ImagePlacement | None = None,
     ) -> None:
         self.request_id = request_id
-        # Its prompt's images (multimodal models): placeholders, pixels, M-RoPE positions
-        self.images = images
-        # Seconds its blocks are kept after it finishes, for its session's next turn
-        # (kv_cache.py: retention is soft)
+        self.images = images  # its prompt's images: placeholders, pixels, M-RoPE positions
+        # Seconds its blocks are kept after it finishes, for its session's next turn (soft)
         self.kv_retention_s = kv_retention_s
         # --scheduling-policy priority: lower first (vLLM's); `arrival_order` breaks ties of
         # (priority, arrival_time), set by the scheduler when it adds the request.
@@ -102,10 +100,9 @@ class Request:
         # produced the token after it.
         self.routed_experts: list[np.ndarray] = []
         self.routed_experts_end = 0
-        # return_bf16_logprobs (engine/scoring.py): each sampled token's raw logprob as
-        # the sampler reported it, and its logprob under the bf16 weights, set at finish.
+        # return_bf16_logprobs (engine/scoring.py): each token's sampled logprob, and its
         self.sampled_logprobs: list[float] = []
-        self.bf16_logprobs: list[float] | None = None
+        self.bf16_logprobs: list[float] | None = None  # under the bf16 weights, at finish
 
     @property
     def needs_prompt_logprobs(self) -> bool:
