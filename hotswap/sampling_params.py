@@ -238,6 +238,16 @@ class SamplingParams:
                 message = f"{name}: out-of-vocabulary token ids {bad[:5]} (vocab {vocab_size})"
                 raise InvalidArgument(name, message)
 
+    def check_engine_keeps_bf16(self, enabled: bool) -> None:
+        """return_bf16_logprobs needs an engine started with --enable-bf16-logprobs
+        (`enabled`): InvalidArgument naming the field otherwise."""
+        if self.return_bf16_logprobs and not enabled:
+            raise InvalidArgument(
+                "return_bf16_logprobs",
+                "return_bf16_logprobs: the engine keeps no bf16 weights; start it with "
+                "--enable-bf16-logprobs",
+            )
+
     def check_prompt_length(self, prompt_len: int) -> None:
         """What depends on the prompt's length (vLLM's check and message, made whether or
         not routed experts are returned)."""

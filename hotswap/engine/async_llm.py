@@ -159,7 +159,7 @@ class AsyncLLM:
         text, ids, images = encode_with_images(self.tokenizer, self.images, prompt)
         check_prompt(ids, self.config.model.vocab_size, self.config.scheduler.max_model_len)
         params.check_prompt_length(len(ids))
-        prepare_params(params, self.tokenizer, self.config.model.vocab_size)
+        prepare_params(params, self.tokenizer, self.config)
         salt = prompt_cache_salt(prompt)
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream

@@ -102,7 +102,7 @@ class LLM:
         salts = [prompt_cache_salt(p) for p in prompt_list]
         names = [r.lora_name if r is not None else None for r in loras]
         for (_, ids, images), params, name in zip(requests, params_list, names):
-            prepare_params(params, self.tokenizer, self.engine.vocab_size)  # refuse bad
+            prepare_params(params, self.tokenizer, self.config)  # refuse bad
             self.engine.validate_request(  # input before adding any
                 EngineCoreRequest("validate", ids, params, lora_name=name, images=images)
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hotswap.config import EngineConfig
 from hotswap.engine.images import image_msgs
 from hotswap.engine.messages import ImageMsg
 from hotswap.errors import InvalidArgument
@@ -114,11 +115,13 @@ def check_kv_retention(seconds: object) -> float:
     return float(seconds)
 
 
-def prepare_params(params: SamplingParams, tokenizer: Tokenizer, vocab_size: int) -> None:
+def prepare_params(params: SamplingParams, tokenizer: Tokenizer, config: EngineConfig) -> None:
     """The front-end's checks and derivations of a request's sampling params, before the
-    engine sees them: token ids in the vocabulary, bad words as token sequences, the
-    structured-output constraint compilable (InvalidArgument naming the field)."""
-    params.check_token_ids(vocab_size)
+    engine sees them: token ids in the vocabulary, what the engine was started to return,
+    bad words as token sequences, the structured-output constraint compilable
+    (InvalidArgument naming the field)."""
+    params.check_token_ids(config.model.vocab_size)
+    params.check_engine_keeps_bf16(config.bf16_logprobs)
     resolve_bad_words(params, tokenizer)
     if params.structured_outputs is not None:
         check_grammar(params.structured_outputs)

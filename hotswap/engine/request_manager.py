@@ -59,12 +59,7 @@ class RequestManager:
             raise InvalidArgument("request_id", f"request_id: {req.request_id!r} is already in use")
         req.sampling_params.check_token_ids(self.vocab_size)
         req.sampling_params.check_prompt_length(len(req.prompt_token_ids))
-        if req.sampling_params.return_bf16_logprobs and not self.config.bf16_logprobs:
-            raise InvalidArgument(
-                "return_bf16_logprobs",
-                "return_bf16_logprobs: the engine keeps no bf16 weights; start it with "
-                "--enable-bf16-logprobs",
-            )
+        req.sampling_params.check_engine_keeps_bf16(self.config.bf16_logprobs)
         if req.lora_name is not None:
             self.loras.resolve(req.lora_name, self.adapters_in_use())
         return self.image_model.placement(req.prompt_token_ids, req.images)

@@ -150,7 +150,7 @@ def prepare_generate_params(engine: AsyncLLM, params: SamplingParams) -> None:
     run here so that a refusal names `body.sampling_params.<field>`; the engine repeats
     them at submit, where they are then no-ops or pass."""
     try:
-        prepare_params(params, engine.tokenizer, engine.config.model.vocab_size)
+        prepare_params(params, engine.tokenizer, engine.config)
     except InvalidArgument as e:
         param = f"{SP}.{e.field}" if e.field else SP
         raise bad_request(str(e), param) from None

@@ -57,6 +57,8 @@ COMPLETION_CASES = [
     ({"prompt": [5] * MAX_MODEL_LEN}, "body.prompt"),
     ({"prompt": [5] * (MAX_MODEL_LEN - 8), "max_tokens": 16}, "body.max_tokens"),
     ({"max_weight_lag": -1}, "body.max_weight_lag"),
+    ({"return_bf16_logprobs": True}, "body.return_bf16_logprobs"),  # no --enable-bf16-logprobs
+    ({"return_bf16_logprobs": [1]}, "body.return_bf16_logprobs"),
 ]
 
 
